@@ -1,0 +1,79 @@
+"""Apply a directive list to the training DAG, always in the fixed order of DESIGN.md:
+split -> (backward split) -> place -> replicate -> shard -> order."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from piper_jax.directives.order import apply_order
+from piper_jax.directives.place import apply_place, apply_replicate, check_placement
+from piper_jax.directives.split import apply_split, split_all
+from piper_jax.directives.transfers import insert_transfers
+from piper_jax.directives.types import (
+    DIRECTIVE_TYPES,
+    Order,
+    Place,
+    Recompute,
+    Replicate,
+    Shard,
+    Split,
+)
+from piper_jax.ir.build import attach_updates
+from piper_jax.ir.dag import TrainingDAG
+from piper_jax.ir.errors import DirectiveError
+from piper_jax.ir.lift import LiftedLoss
+
+
+def check_directives(directives: Sequence[object]) -> list:
+    """Refuse anything that is not a directive, and directives not supported yet."""
+    if not isinstance(directives, (list, tuple)):
+        raise DirectiveError(f"directives must be a list, got {type(directives).__name__}")
+    out = []
+    for i, d in enumerate(directives):
+        if isinstance(d, (list, tuple)) and all(isinstance(x, Order) for x in d):
+            out.extend(d)  # a schedule builder's list of orders, nested by the user
+            continue
+        if not isinstance(d, DIRECTIVE_TYPES):
+            raise DirectiveError(
+                f"directive {i} is {d!r}, not a directive: build it with piper_jax.split, "
+                "place, replicate, shard, order, recompute or a schedule builder"
+            )
+        if isinstance(d, (Shard, Recompute)):
+            raise DirectiveError(f"directive {i} ({type(d).__name__.lower()}) is not supported yet")
+        out.append(d)
+    splits = [d for d in out if isinstance(d, Split)]
+    if len(splits) > 1:
+        raise DirectiveError(f"{len(splits)} split directives given; use one split")
+    return out
+
+
+def num_microbatches(directives: Sequence[object]) -> int:
+    return next((d.num_microbatches for d in directives if isinstance(d, Split)), 1)
+
+
+def apply_directives(
+    dag: TrainingDAG, lifted: LiftedLoss, directives: Sequence[object], num_devices: int
+) -> TrainingDAG:
+    """The DAG after every directive; the DAG is checked after each step."""
+    directives = check_directives(directives)
+    splits = [d for d in directives if isinstance(d, Split)]
+    dag = apply_split(dag, splits[0]) if splits else split_all(dag, 1)
+    for d in directives:
+        if isinstance(d, Place):
+            dag = apply_place(dag, d, num_devices)
+    for d in directives:
+        if isinstance(d, Replicate):
+            dag = apply_replicate(dag, d, num_devices)
+    dag = check_placement(dag, any(isinstance(d, (Place, Replicate)) for d in directives))
+    dag = attach_updates(dag, lifted)
+    dag = insert_transfers(dag)
+    for i, d in enumerate(directives):
+        if isinstance(d, Order):
+            if any(f.get("PASS") in ("BI", "BW") for g in d.filters for f in g):
+                raise DirectiveError(
+                    f"directive {i} (order) names BI/BW passes: the backward split is not "
+                    "supported yet; order F and B"
+                )
+            dag = apply_order(dag, d, i)
+    dag.check_acyclic("the directives")
+    return dag

@@ -1,0 +1,35 @@
+"""order: temporal edges between consecutive groups of filters on one device group."""
+
+from __future__ import annotations
+
+from piper_jax.directives.filters import filter_str, select
+from piper_jax.directives.types import Order
+from piper_jax.ir.dag import EdgeKind, TrainingDAG
+from piper_jax.ir.errors import DirectiveError
+
+
+def apply_order(dag: TrainingDAG, directive: Order, index: int) -> TrainingDAG:
+    where = f"directive {index} (order)"
+    dag = dag.copy()
+    compute = list(dag.compute_nodes())
+    groups = []
+    for g, filters in enumerate(directive.filters):
+        nodes = {n.uid: n for f in filters for n in select(compute, f)}
+        if not nodes:
+            names = ", ".join(filter_str(f) for f in filters)
+            raise DirectiveError(f"{where}: group {g} [{names}] matches no node")
+        groups.append(nodes)
+    placed = {n.devices: n for grp in groups for n in grp.values()}
+    if len(placed) > 1:
+        (a, na), (b, nb) = list(placed.items())[:2]
+        raise DirectiveError(
+            f"{where} orders {na} on {list(a)} with {nb} on {list(b)}: an order runs on one "
+            "device group; write one order directive per device group"
+        )
+    for before, after in zip(groups, groups[1:]):
+        for a in before:
+            for b in after:
+                if a != b:
+                    dag.connect(a, b, EdgeKind.TEMPORAL)
+    dag.check_acyclic(where)
+    return dag

@@ -1,0 +1,153 @@
+"""Directive values: small frozen records, validated when they are made."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from piper_jax.ir.dag import PASSES
+from piper_jax.ir.errors import DirectiveError
+
+FilterValue = int | str
+Filter = Mapping[str, FilterValue]
+
+
+def check_filter(flt: Any, where: str) -> dict[str, FilterValue]:
+    """A filter maps tags to an int, '*' (any index) or '-' (tag absent); PASS to a pass."""
+    if not isinstance(flt, Mapping) or not flt:
+        raise DirectiveError(
+            f"{where}: filter must be a non-empty dict such as {{'PP': 0}}, got {flt!r}"
+        )
+    out: dict[str, FilterValue] = {}
+    for tag, value in flt.items():
+        if not isinstance(tag, str):
+            raise DirectiveError(f"{where}: filter key {tag!r} must be a tag name string")
+        if tag == "PASS":
+            if value not in PASSES:
+                raise DirectiveError(f"{where}: PASS must be one of {PASSES}, got {value!r}")
+        elif value not in ("*", "-") and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 0
+        ):
+            raise DirectiveError(
+                f"{where}: filter value for {tag!r} must be an index >= 0, '*' or '-', "
+                f"got {value!r}"
+            )
+        out[tag] = value
+    return out
+
+
+def check_devices(devices: Any, where: str) -> tuple[int, ...]:
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        devices = [devices]
+    if (
+        not isinstance(devices, Sequence)
+        or not devices
+        or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in devices)
+    ):
+        raise DirectiveError(
+            f"{where}: devices must be a non-empty list of device indices, got {devices!r}"
+        )
+    if len(set(devices)) != len(devices):
+        raise DirectiveError(f"{where}: devices {list(devices)} name a device twice")
+    return tuple(devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """Cut the batch of matched regions into `num_microbatches` microbatches, tagged MB=i."""
+
+    filter: dict
+    num_microbatches: int
+    dim_name: str = "MB"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "filter", check_filter(self.filter, "split"))
+        n = self.num_microbatches
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise DirectiveError(f"split: num_microbatches must be an int >= 1, got {n!r}")
+        if self.dim_name != "MB":
+            raise DirectiveError(f"split: dim_name {self.dim_name!r} is not supported; use 'MB'")
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """Run matched regions on `devices`; `stream` names the logical stream of their work."""
+
+    filter: dict
+    devices: tuple[int, ...]
+    stream: str = "default"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "filter", check_filter(self.filter, "place"))
+        object.__setattr__(self, "devices", check_devices(self.devices, "place"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicate:
+    """Data parallelism: each of `devices` runs matched regions on its slice of the batch.
+
+    Attributes:
+      shard_grads: reduce-scatter gradients and shard optimizer state (ZeRO-1/2).
+      shard_params: also keep parameters sharded, gathered around each use (ZeRO-3).
+      bucket_size: group gradient collectives into buckets of this many MB.
+      reduce_stream, gather_stream: logical streams of the gradient and parameter collectives.
+    """
+
+    filter: dict
+    devices: tuple[int, ...]
+    shard_grads: bool = False
+    shard_params: bool = False
+    bucket_size: float | None = None
+    reduce_stream: str = "dp"
+    gather_stream: str = "dp"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "filter", check_filter(self.filter, "replicate"))
+        object.__setattr__(self, "devices", check_devices(self.devices, "replicate"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """Expert parallelism: all-to-all around matched F and BI nodes."""
+
+    filter: dict
+    devices: tuple[int, ...]
+    stream: str = "ep"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "filter", check_filter(self.filter, "shard"))
+        object.__setattr__(self, "devices", check_devices(self.devices, "shard"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Order:
+    """Run the nodes matched by each group of filters before those of the next group."""
+
+    filters: tuple[tuple[dict, ...], ...]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.filters, Mapping) or not isinstance(self.filters, Sequence):
+            raise DirectiveError("order: filters must be a list of groups (lists) of filters")
+        groups = []
+        for i, group in enumerate(self.filters):
+            if isinstance(group, Mapping):
+                group = [group]
+            if not isinstance(group, Sequence) or not group:
+                raise DirectiveError(f"order: group {i} must be a non-empty list of filters")
+            groups.append(tuple(check_filter(f, f"order group {i}") for f in group))
+        object.__setattr__(self, "filters", tuple(groups))
+
+
+@dataclasses.dataclass(frozen=True)
+class Recompute:
+    """Activation checkpointing: keep only region inputs and recompute F inside B."""
+
+    filter: dict
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "filter", check_filter(self.filter, "recompute"))
+
+
+Directive = Split | Place | Replicate | Shard | Order | Recompute
+DIRECTIVE_TYPES = (Split, Place, Replicate, Shard, Order, Recompute)

@@ -1,0 +1,125 @@
+"""Build the training DAG of a lifted loss, and (re)attach its optimizer side.
+
+Note [parameter groups and tied weights]
+A parameter is updated once per device group that holds it: by the UPD node of the
+first region on that group that reads it. A parameter read by regions on several
+groups (tied embeddings) is a copy on each; its gradient contributions are summed by one
+ALL_REDUCE over the union of those groups, and every copy takes the same optimizer step,
+so the copies stay equal. Replicas of a group (data parallelism) are covered by the
+same rule: the ALL_REDUCE spans every replica device. A parameter no region reads still
+gets its (zero-gradient) update, from the first region's UPD, as `jax.grad` would.
+"""
+
+from __future__ import annotations
+
+from piper_jax.ir.dag import Node, NodeKind, TrainingDAG
+from piper_jax.ir.errors import DirectiveError
+from piper_jax.ir.lift import LiftedLoss
+
+WEIGHT_GRAD_PASSES = ("B", "BW")
+
+
+def build_dag(lifted: LiftedLoss) -> TrainingDAG:
+    """One F and one B node per region, data edges between them, then the UPD side."""
+    dag = TrainingDAG()
+    fwd, bwd = {}, {}
+    for region in lifted.regions:
+        fwd[region.index] = dag.add(
+            Node(dag.new_uid(), NodeKind.COMPUTE, region.index, region.key, pass_="F")
+        )
+    for region in reversed(lifted.regions):
+        bwd[region.index] = dag.add(
+            Node(dag.new_uid(), NodeKind.COMPUTE, region.index, region.key, pass_="B")
+        )
+    for region in lifted.regions:
+        r = region.index
+        dag.connect(fwd[r].uid, bwd[r].uid)
+        for ref in region.act_inputs:
+            dag.connect(fwd[ref.region].uid, fwd[r].uid)
+            if lifted.regions[ref.region].out_is_float(ref.position):
+                dag.connect(bwd[r].uid, bwd[ref.region].uid)
+    return attach_updates(dag, lifted)
+
+
+def region_groups(dag: TrainingDAG) -> dict[int, tuple[int, ...]]:
+    """The device group of each region; all its compute nodes must share it."""
+    groups: dict[int, tuple[int, ...]] = {}
+    first_node: dict[int, Node] = {}
+    for n in dag.compute_nodes():
+        if n.region not in groups:
+            groups[n.region], first_node[n.region] = n.devices, n
+        elif groups[n.region] != n.devices:
+            raise DirectiveError(
+                f"region {n.region} has {first_node[n.region]} on devices "
+                f"{list(groups[n.region])} but {n} on {list(n.devices)}: all passes and "
+                "microbatches of a region must be placed on the same devices"
+            )
+    return groups
+
+
+def attach_updates(dag: TrainingDAG, lifted: LiftedLoss, stream: str = "dp") -> TrainingDAG:
+    """Replace UPD and gradient ALL_REDUCE nodes to fit the current placement.
+
+    See Note [parameter groups and tied weights].
+    """
+    dag = dag.copy()
+    for n in list(dag.of_kind(NodeKind.UPD, NodeKind.ALL_REDUCE)):
+        if n.params:
+            dag.remove_node(n.uid)
+    groups = region_groups(dag)
+    replicated = {n.region: n.replicated for n in dag.compute_nodes()}
+    grad_nodes: dict[int, list[int]] = {}
+    for n in dag.compute_nodes():
+        if n.pass_ in WEIGHT_GRAD_PASSES:
+            grad_nodes.setdefault(n.region, []).append(n.uid)
+
+    owner: dict[tuple[int, tuple[int, ...]], int] = {}
+    users: dict[int, list[int]] = {}
+    for p in range(len(lifted.param_names)):
+        users[p] = lifted.param_users(p) or [0]
+        for r in users[p]:
+            owner.setdefault((p, groups[r]), r)
+    upd_of: dict[tuple[int, tuple[int, ...]], int] = {}
+    for region in lifted.regions:
+        r = region.index
+        owned = tuple(p for p in sorted(users) if owner.get((p, groups[r])) == r)
+        if not owned:
+            continue
+        node = dag.add(
+            Node(
+                dag.new_uid(),
+                NodeKind.UPD,
+                r,
+                region.key,
+                devices=groups[r],
+                replicated=replicated[r],
+                params=owned,
+            )
+        )
+        for p in owned:
+            upd_of[(p, groups[r])] = node.uid
+
+    by_union: dict[tuple[int, ...], list[int]] = {}
+    for p, rs in users.items():
+        union = tuple(dict.fromkeys(d for r in rs for d in groups[r]))
+        by_union.setdefault(union, []).append(p)
+    for union, params in by_union.items():
+        ar = None
+        if len(union) > 1:
+            ar = dag.add(
+                Node(
+                    dag.new_uid(),
+                    NodeKind.ALL_REDUCE,
+                    devices=union,
+                    stream=stream,
+                    params=tuple(params),
+                )
+            )
+        for p in params:
+            for r in lifted.param_users(p):
+                for uid in grad_nodes[r]:
+                    dag.connect(uid, ar.uid if ar else upd_of[(p, groups[r])])
+            if ar:
+                for r in users[p]:
+                    dag.connect(ar.uid, upd_of[(p, groups[r])])
+    return dag

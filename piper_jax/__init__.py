@@ -1,0 +1,78 @@
+"""piper-jax: a programmable distributed training compiler for JAX."""
+
+from collections.abc import Sequence
+from typing import Any
+
+from piper_jax import schedules
+from piper_jax.annotate import annotate
+from piper_jax.directives import dump_directives, load_directives
+from piper_jax.directives.types import Order, Place, Recompute, Replicate, Shard, Split
+from piper_jax.ir.errors import (
+    AnnotationError,
+    BatchError,
+    DirectiveError,
+    PiperError,
+    PlanError,
+)
+from piper_jax.train_step import TrainStep, compile
+
+
+def split(filter: dict, dim_name: str = "MB", *, num_microbatches: int) -> Split:
+    """Cut the global batch into `num_microbatches` microbatches (tag MB=i)."""
+    return Split(filter, num_microbatches, dim_name)
+
+
+def place(filter: dict, devices: Sequence[int], stream: str = "default") -> Place:
+    """Run the regions matched by `filter` on `devices` (indices into the step's devices)."""
+    return Place(filter, devices, stream)
+
+
+def replicate(
+    filter: dict,
+    devices: Sequence[int],
+    shard_grads: bool = False,
+    shard_params: bool = False,
+    bucket_size: float | None = None,
+    reduce_stream: str = "dp",
+    gather_stream: str = "dp",
+) -> Replicate:
+    """Data parallelism over `devices`; gradients are all-reduced."""
+    return Replicate(
+        filter, devices, shard_grads, shard_params, bucket_size, reduce_stream, gather_stream
+    )
+
+
+def shard(filter: dict, devices: Sequence[int], stream: str = "ep") -> Shard:
+    """Expert parallelism (not supported by the compiler yet: refused at compile)."""
+    return Shard(filter, devices, stream)
+
+
+def order(filters: Sequence[Any]) -> Order:
+    """Run nodes matched by each group of filters before those of the next group."""
+    return Order(filters)
+
+
+def recompute(filter: dict) -> Recompute:
+    """Activation checkpointing (not supported by the compiler yet: refused at compile)."""
+    return Recompute(filter)
+
+
+__all__ = [
+    "AnnotationError",
+    "BatchError",
+    "DirectiveError",
+    "PiperError",
+    "PlanError",
+    "TrainStep",
+    "annotate",
+    "compile",
+    "dump_directives",
+    "load_directives",
+    "order",
+    "place",
+    "recompute",
+    "replicate",
+    "schedules",
+    "shard",
+    "split",
+]

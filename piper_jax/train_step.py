@@ -1,0 +1,178 @@
+"""`compile` and `TrainStep`: from a model, loss and directive list to a runnable step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from piper_jax.annotate import reset_annotation_counters
+from piper_jax.directives import apply_directives, check_directives, num_microbatches
+from piper_jax.directives.types import Replicate
+from piper_jax.ir import build_dag, lift
+from piper_jax.ir.dag import NodeKind, TrainingDAG, group_str
+from piper_jax.ir.errors import BatchError, DirectiveError
+from piper_jax.ir.lift import LiftedLoss
+from piper_jax.mpmd_runtime import Executor, Plans, compile_plans
+from piper_jax.optimizer_check import check_optimizer_separable
+
+
+def _leaf_names(tree: Any) -> tuple[list[str], list[Any], Any]:
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    names = [jax.tree_util.keystr(path).removesuffix(".value") for path, _ in leaves]
+    return names, [leaf for _, leaf in leaves], treedef
+
+
+def _replica_count(directives: Sequence[Any]) -> int:
+    widths = sorted({len(d.devices) for d in directives if isinstance(d, Replicate)})
+    if len(widths) > 1:
+        raise DirectiveError(
+            f"replicate directives use {widths} devices: every region must be replicated "
+            "the same number of times"
+        )
+    return widths[0] if widths else 1
+
+
+def _check_batch(leaves: Sequence[Any], names: Sequence[str], parts: int, what: str) -> int:
+    sizes = {n: (np.shape(x)[0] if np.ndim(x) else None) for n, x in zip(names, leaves)}
+    if any(s is None for s in sizes.values()) or len(set(sizes.values())) != 1:
+        raise BatchError(
+            f"{what}: every batch leaf needs the same leading (batch) axis; got sizes {sizes}"
+        )
+    size = next(iter(sizes.values()))
+    if size % parts:
+        raise BatchError(
+            f"{what}: batch size {size} (leaf {names[0]}) is not divisible by "
+            f"num_microbatches x replicas = {parts}; use a batch size that is a multiple "
+            f"of {parts}"
+        )
+    return size
+
+
+def compile(
+    loss_fn: Callable[[nnx.Module, Any], jax.Array],
+    model: nnx.Module,
+    optimizer: optax.GradientTransformation,
+    example_batch: Any,
+    directives: Sequence[Any] = (),
+    devices: Sequence[jax.Device] | None = None,
+) -> TrainStep:
+    """Compile a training step of `model` under a directive list.
+
+    Args:
+      loss_fn: loss_fn(model, batch) -> scalar; a mean over the batch for the step to
+        equal single-device training.
+      model: a flax.nnx.Module whose code marks regions with `piper_jax.annotate`.
+      optimizer: an optax transformation; it must treat parameters independently.
+      example_batch: a global batch (pytree of arrays with a leading batch axis).
+      directives: split, place, replicate, order, schedule builders' outputs.
+      devices: the devices directive indices refer to; default `jax.devices()`.
+
+    Returns:
+      A TrainStep; call it with a global batch to run one training step.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    directives = check_directives(directives)
+    m = num_microbatches(directives)
+    replicas = _replica_count(directives)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    param_names, param_leaves, param_treedef = _leaf_names(params)
+    batch_names, batch_leaves, batch_treedef = _leaf_names(example_batch)
+    size = _check_batch(batch_leaves, batch_names, m * replicas, "example_batch")
+    local = size // (m * replicas)
+
+    def flat_loss(p_leaves: list, b_leaves: list) -> jax.Array:
+        p = jax.tree_util.tree_unflatten(param_treedef, p_leaves)
+        b = jax.tree_util.tree_unflatten(batch_treedef, b_leaves)
+        return loss_fn(nnx.merge(graphdef, p, rest), b)
+
+    reset_annotation_counters()
+    lifted = lift(
+        flat_loss,
+        [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in param_leaves],
+        [
+            jax.ShapeDtypeStruct((local,) + np.shape(x)[1:], np.asarray(x).dtype)
+            for x in batch_leaves
+        ],
+        param_names,
+        batch_names,
+    )
+    dag = apply_directives(build_dag(lifted), lifted, directives, len(devices))
+    groups = [n.params for n in dag.of_kind(NodeKind.UPD)]
+    check_optimizer_separable(optimizer, param_leaves, groups)
+    plans = compile_plans(dag, {r.index for r in lifted.regions if r.batch_ids})
+    executor = Executor(dag, plans, lifted, optimizer, devices, param_leaves, m)
+    return TrainStep(
+        dag,
+        plans,
+        lifted,
+        executor,
+        (graphdef, param_treedef, rest),
+        (batch_treedef, batch_names, size, m * replicas),
+    )
+
+
+class TrainStep:
+    """A compiled training step: call it with a global batch; inspect dag, plans, explain()."""
+
+    def __init__(
+        self,
+        dag: TrainingDAG,
+        plans: Plans,
+        lifted: LiftedLoss,
+        executor: Executor,
+        model_parts: tuple,
+        batch_spec: tuple,
+    ):
+        self.dag, self.plans, self.lifted = dag, plans, lifted
+        self._executor = executor
+        self._graphdef, self._param_treedef, self._rest = model_parts
+        self._batch_treedef, self._batch_names, self._batch_size, self._parts = batch_spec
+
+    def __call__(self, batch: Any) -> dict[str, float]:
+        leaves, treedef = jax.tree_util.tree_flatten(batch)
+        if treedef != self._batch_treedef:
+            raise BatchError(
+                f"batch structure {treedef} differs from the example batch's {self._batch_treedef}"
+            )
+        leaves = [np.asarray(x) for x in leaves]
+        size = _check_batch(leaves, self._batch_names, self._parts, "batch")
+        if size != self._batch_size:
+            raise BatchError(
+                f"batch size {size} differs from the compiled example batch's "
+                f"{self._batch_size}; compile again for a new batch size"
+            )
+        losses = self._executor.run(leaves)
+        return {"loss": float(jax.numpy.mean(jax.numpy.stack(losses)))}
+
+    def params(self) -> nnx.State:
+        """The current parameters, gathered to the host, as an nnx.State."""
+        found: dict[str, Any] = {}
+        for group_params in self._executor.params.values():
+            for name, value in group_params.items():
+                found.setdefault(name, value)
+        leaves = [np.asarray(jax.device_get(found[n])) for n in self.lifted.param_names]
+        return jax.tree_util.tree_unflatten(self._param_treedef, leaves)
+
+    def model(self) -> nnx.Module:
+        """An nnx model holding the current parameters."""
+        return nnx.merge(self._graphdef, self.params(), self._rest)
+
+    def explain(self) -> str:
+        """Regions, their placement, and each device group's instruction list."""
+        groups = {n.region: n.devices for n in self.dag.compute_nodes()}
+        lines = ["regions:"]
+        for r in self.lifted.regions:
+            lines.append(
+                f"  region {r.index} {r}: {len(r.param_ids)} params, "
+                f"on {group_str(groups[r.index])}"
+            )
+        lines.append("plan grid (rows: lockstep steps, columns: device groups):")
+        lines.append(self.plans.grid())
+        for g, plan in sorted(self.plans.plans.items()):
+            lines.append(f"plan {group_str(g)}: " + "; ".join(str(i) for i in plan))
+        return "\n".join(lines)

@@ -1,0 +1,6 @@
+"""Every test sees 8 virtual CPU devices; the backend starts after this runs."""
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_platforms", "cpu")
