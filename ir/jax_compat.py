@@ -49,5 +49,14 @@ def sub_jaxpr_fn(
     eqns: Sequence[JaxprEqn],
 ) -> Callable[..., list[Any]]:
     """A callable running `eqns` as a function of `invars` returning `outvars`."""
-    jaxpr = jex.Jaxpr(list(constvars), list(invars), list(outvars), list(eqns))
+    debug = jex.DebugInfo(
+        "piper region",
+        "region",
+        tuple(f"in{i}" for i in range(len(invars))),
+        tuple(f"out{i}" for i in range(len(outvars))),
+    )
+    effects = frozenset().union(*(e.effects for e in eqns))
+    jaxpr = jex.Jaxpr(
+        list(constvars), list(invars), list(outvars), list(eqns), effects, debug_info=debug
+    )
     return jex.jaxpr_as_fun(ClosedJaxpr(jaxpr, list(consts)))
