@@ -51,10 +51,15 @@ def test_directives_from_reference_json(tmp_path) -> None:
         {"op": "replicate", "filter": {"PP": 0}, "devices": [0, 1], "reduce_stream": "dp"},
         {"op": "place", "filter": {"PP": 1}, "devices": [2, 3]},
         {"op": "replicate", "filter": {"PP": 1}, "devices": [2, 3]},
-        {"op": "order", "filters": [[{"PP": 1, "MB": 0, "PASS": "F"}],
-                                    [{"PP": 1, "MB": 0, "PASS": "B"}],
-                                    [{"PP": 1, "MB": 1, "PASS": "F"}],
-                                    [{"PP": 1, "MB": 1, "PASS": "B"}]]},
+        {
+            "op": "order",
+            "filters": [
+                [{"PP": 1, "MB": 0, "PASS": "F"}],
+                [{"PP": 1, "MB": 0, "PASS": "B"}],
+                [{"PP": 1, "MB": 1, "PASS": "F"}],
+                [{"PP": 1, "MB": 1, "PASS": "B"}],
+            ],
+        },
     ]
     path = tmp_path / "strategy.json"
     path.write_text(json.dumps(strategy))
@@ -70,6 +75,7 @@ def test_sgd_with_schedule_and_weight_decay() -> None:
     """A learning-rate schedule and decoupled weight decay, on PP=2 x DP=2."""
     opt = optax.adamw(optax.linear_schedule(1e-2, 1e-3, 3), weight_decay=0.1)
     batches = mlp_batches(3)
-    step = piper.compile(mlp_loss, StageMLP(2), opt, batches[0],
-                         pipeline(2, 2, schedules.gpipe, replicas=2))
+    step = piper.compile(
+        mlp_loss, StageMLP(2), opt, batches[0], pipeline(2, 2, schedules.gpipe, replicas=2)
+    )
     assert_matches_reference(step, mlp_loss, lambda: StageMLP(2), opt, batches)

@@ -1,0 +1,118 @@
+"""Bad input a user can give gets a PiperError that names the culprit."""
+
+from __future__ import annotations
+
+import json
+
+import optax
+import pytest
+from helpers import StageMLP, mlp_batches, mlp_loss
+
+import piper_jax as piper
+from piper_jax import schedules
+
+OPT = optax.sgd(0.1)
+
+
+def compile_mlp(directives, batch=None, stages: int = 2):
+    batch = batch or mlp_batches(1)[0]
+    return piper.compile(mlp_loss, StageMLP(stages), OPT, batch, directives)
+
+
+def test_filter_matching_no_region() -> None:
+    with pytest.raises(piper.DirectiveError, match=r"place \{PP:7\}: filter matches no region"):
+        compile_mlp([piper.place({"PP": 0}, [0]), piper.place({"PP": 7}, [1])])
+
+
+def test_device_index_out_of_range() -> None:
+    with pytest.raises(piper.DirectiveError, match="device index 8 is out of range.*8 devices"):
+        compile_mlp([piper.place({"PP": 0}, [0]), piper.place({"PP": 1}, [8])])
+
+
+def test_batch_not_divisible_by_microbatches() -> None:
+    batch = mlp_batches(1, batch_size=6)[0]
+    with pytest.raises(piper.BatchError, match="batch size 6.*not divisible.*= 4"):
+        compile_mlp([piper.split({"PP": "*"}, num_microbatches=4)], batch)
+
+
+def test_step_batch_of_wrong_size() -> None:
+    step = compile_mlp([])
+    with pytest.raises(piper.BatchError, match="batch size 8 differs.*16"):
+        step(mlp_batches(1, batch_size=8)[0])
+
+
+def test_order_cycle() -> None:
+    cyc = piper.order([[{"PP": 0, "PASS": "B"}], [{"PP": 0, "PASS": "F"}]])
+    with pytest.raises(piper.DirectiveError, match=r"directive 0 \(order\) makes a cycle.*B0.0"):
+        compile_mlp([cyc])
+
+
+def test_order_across_devices() -> None:
+    bad = piper.order([[{"PP": 0, "PASS": "F"}], [{"PP": 1, "PASS": "F"}]])
+    with pytest.raises(piper.DirectiveError, match="one device group"):
+        compile_mlp([piper.place({"PP": 0}, [0]), piper.place({"PP": 1}, [1]), bad])
+
+
+def test_region_left_unplaced() -> None:
+    with pytest.raises(piper.DirectiveError, match=r"region \{'PP': 1\}.*not placed.*place"):
+        compile_mlp([piper.place({"PP": 0}, [0])])
+
+
+def test_place_on_two_devices_without_replicate() -> None:
+    with pytest.raises(piper.DirectiveError, match="without replicate"):
+        compile_mlp([piper.place({"PP": "*"}, [0, 1])])
+
+
+def test_unknown_op_in_json(tmp_path) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(
+        json.dumps(
+            [
+                {"op": "place", "filter": {"PP": 0}, "devices": [0]},
+                {"op": "teleport", "filter": {"PP": 1}},
+            ]
+        )
+    )
+    with pytest.raises(piper.DirectiveError, match="directive 1: unknown op 'teleport'"):
+        piper.load_directives(path)
+
+
+def test_bad_filter_value() -> None:
+    with pytest.raises(piper.DirectiveError, match="filter value for 'PP'"):
+        piper.place({"PP": -1}, [0])
+
+
+def test_schedule_with_too_few_stages_placed() -> None:
+    """A schedule naming a stage that does not exist is refused naming the group."""
+    with pytest.raises(piper.DirectiveError, match="group 0 .*PP:2.*matches no node"):
+        compile_mlp(
+            [
+                piper.split({"PP": "*"}, num_microbatches=2),
+                piper.place({"PP": 0}, [0]),
+                piper.place({"PP": 1}, [1]),
+                *schedules.one_f_one_b(3, 2),
+            ]
+        )
+
+
+def test_zero_flags_refused_until_supported() -> None:
+    with pytest.raises(piper.DirectiveError, match="shard_grads/shard_params.*not supported"):
+        compile_mlp([piper.replicate({"PP": "*"}, [0, 1], shard_grads=True)])
+
+
+def test_coupled_optimizer_refused_across_groups() -> None:
+    opt = optax.chain(optax.clip_by_global_norm(0.01), optax.adam(1e-2))
+    with pytest.raises(piper.PiperError, match="couples parameters"):
+        piper.compile(
+            mlp_loss,
+            StageMLP(2),
+            opt,
+            mlp_batches(1)[0],
+            [piper.place({"PP": 0}, [0]), piper.place({"PP": 1}, [1])],
+        )
+
+
+def test_all_errors_are_value_errors() -> None:
+    assert issubclass(piper.PiperError, ValueError)
+    for cls in (piper.DirectiveError, piper.BatchError, piper.PlanError, piper.AnnotationError):
+        assert issubclass(cls, piper.PiperError)

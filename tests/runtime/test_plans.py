@@ -1,0 +1,80 @@
+"""Instruction strings, plan compilation, FREE placement and the deadlock dry run."""
+
+from __future__ import annotations
+
+import optax
+import pytest
+from helpers import StageMLP, mlp_batches, mlp_loss
+from piper_jax.mpmd_runtime import dry_run, parse
+from piper_jax.mpmd_runtime.instructions import Instruction
+
+import piper_jax as piper
+
+INSTRUCTIONS = [
+    "F1.3",
+    "B0.0",
+    "BW2.1",
+    "UPD1",
+    "SEND F1.3 -> d1,3",
+    "RECV B2.0 <- d0",
+    "ALL_REDUCE #12 d0,2",
+    "FREE F1.3",
+    "FREE batch.3",
+]
+
+
+@pytest.mark.parametrize("text", INSTRUCTIONS)
+def test_instruction_round_trip(text: str) -> None:
+    ins = parse(text)
+    assert isinstance(ins, Instruction) and str(ins) == text and parse(str(ins)) == ins
+
+
+def test_parse_rejects_garbage() -> None:
+    with pytest.raises(ValueError, match="not an instruction"):
+        parse("JUMP 3")
+
+
+def pp2_step(m: int = 4):
+    directives = [
+        piper.split({"PP": "*"}, num_microbatches=m),
+        piper.place({"PP": 0}, [0]),
+        piper.place({"PP": 1}, [1]),
+        *piper.schedules.one_f_one_b(2, m),
+    ]
+    return piper.compile(mlp_loss, StageMLP(2), optax.sgd(0.1), mlp_batches(1)[0], directives)
+
+
+def runs(step, group):
+    return [str(i) for i in step.plans.plans[group] if i.op == "RUN"]
+
+
+def test_1f1b_plans() -> None:
+    step = pp2_step()
+    assert runs(step, (0,)) == ["F0.0", "F0.1", "B0.0", "F0.2", "B0.1", "F0.3", "B0.2", "B0.3"]
+    assert runs(step, (1,)) == ["F1.0", "B1.0", "F1.1", "B1.1", "F1.2", "B1.2", "F1.3", "B1.3"]
+    plan1 = [str(i) for i in step.plans.plans[(1,)]]
+    # each activation received on d1 is freed after its last reader, F1.i
+    for i in range(4):
+        assert plan1.index(f"FREE F0.{i}") > plan1.index(f"F1.{i}")
+        assert plan1.index(f"RECV F0.{i} <- d0") < plan1.index(f"F1.{i}")
+    assert "ALL_REDUCE" in step.explain() and "UPD0" in step.explain()
+
+
+def test_dry_run_reports_deadlock_with_marked_grid() -> None:
+    step = pp2_step(2)
+    plans = {g: list(p) for g, p in step.plans.plans.items()}
+    nodes = {g: list(n) for g, n in step.plans.nodes.items()}
+
+    def move_before(group, text, anchor):
+        names = [str(x) for x in plans[group]]
+        i, j = names.index(text), names.index(anchor)
+        for seq in (plans[group], nodes[group]):
+            seq.insert(j, seq.pop(i))
+
+    # d0 waits for B1.0 before sending F0.1; d1 waits for F0.1 before sending B1.0
+    move_before((0,), "RECV B1.0 <- d1", "SEND F0.1 -> d1")
+    move_before((1,), "RECV F0.1 <- d0", "SEND B1.0 -> d0")
+    with pytest.raises(piper.PlanError, match=r"plan deadlock(.|\n)*>> "):
+        dry_run(step.dag, plans, nodes)
+    # the compiled plans themselves pass
+    dry_run(step.dag, step.plans.plans, step.plans.nodes)
