@@ -1,8 +1,10 @@
-"""The MPMD executor of one process: binds every plan instruction to a closure once, then
-runs a step as a flat loop over them in the dry run's global order.
+"""The MPMD executor of one process: binds every plan instruction of its own device groups
+to a closure once, then runs a step as a flat loop over them in the dry run's global order.
 
 The loop never blocks the host: every closure only dispatches (jitted programs,
-device_put, dict moves), and JAX's asynchronous dispatch runs ahead of the devices.
+transfers, dict moves), and JAX's asynchronous dispatch runs ahead of the devices. A
+process skips the instructions of groups it holds no device of; a group may span
+processes (its programs then run multi-controller SPMD on every process that holds part).
 """
 
 from __future__ import annotations
@@ -11,19 +13,29 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
-from piper_jax.ir.dag import NodeKind, TrainingDAG
-from piper_jax.ir.lift import LiftedLoss
+from jax.experimental import multihost_utils
+from piper_jax.ir.dag import Node, NodeKind, TrainingDAG
+from piper_jax.ir.lift import LiftedLoss, Region
 from piper_jax.mpmd_runtime import programs as pg
 from piper_jax.mpmd_runtime.instructions import ALL_REDUCE, FREE, RECV, RUN, SEND, UPD
 from piper_jax.mpmd_runtime.plans import Group, Plans
+from piper_jax.mpmd_runtime.transport import (
+    Aval,
+    from_local_shards,
+    host_to_group,
+    is_local,
+    make_transfer,
+    shards_by_device,
+)
 
 Step = Callable[[], None]
 
 
 class Executor:
-    """Holds the parameters, optimizer state and buffers of every local device group."""
+    """Holds the parameters, optimizer state and buffers of this process's device groups."""
 
     def __init__(
         self,
@@ -38,41 +50,51 @@ class Executor:
         self.dag, self.plans, self.lifted = dag, plans, lifted
         self.groups: list[Group] = sorted(plans.plans)
         self.meshes = {g: pg.group_mesh([devices[i] for i in g]) for g in self.groups}
+        self.local = {
+            g for g in self.groups if any(is_local(d) for d in self.meshes[g].devices.flat)
+        }
         self.num_microbatches = num_microbatches
         self.num_replicas = len(self.groups[0])
-        names = lifted.param_names
-        self.upd_nodes = list(dag.of_kind(NodeKind.UPD))
+        self.upd_nodes = [n for n in dag.of_kind(NodeKind.UPD) if n.devices in self.local]
+        self.param_avals = {
+            name: (tuple(np.shape(v)), np.asarray(v).dtype)
+            for name, v in zip(lifted.param_names, init_params)
+        }
         self.params: dict[Group, dict[str, jax.Array]] = {g: {} for g in self.groups}
         for node in self.upd_nodes:
             sharding = pg.replicated(self.meshes[node.devices])
             for p in node.params:
-                self.params[node.devices][names[p]] = jax.device_put(init_params[p], sharding)
+                value = host_to_group(init_params[p], sharding)
+                self.params[node.devices][lifted.param_names[p]] = value
         self.opt_state = {
             node.uid: jax.jit(
                 optimizer.init, out_shardings=pg.replicated(self.meshes[node.devices])
             )(self._subset(node.devices, node.params))
             for node in self.upd_nodes
         }
-        self.acc = {g: pg.zeros_program(self.meshes[g])(self.params[g]) for g in self.groups}
+        self.acc = {g: pg.zeros_program(self.meshes[g])(self.params[g]) for g in self.local}
         self.reduced: dict[Group, dict[str, jax.Array]] = {g: {} for g in self.groups}
         self.stores: dict[Group, dict[str, Any]] = {g: {} for g in self.groups}
         self.mailbox: dict[tuple[str, Group], Any] = {}
         self.losses: list[jax.Array] = []
         self.batch_leaves = {
-            g: sorted({b for r in self._regions_on(g) for b in r.batch_ids}) for g in self.groups
+            g: sorted({b for r in self._regions_on(g) for b in r.batch_ids}) for g in self.local
         }
         loss_seed = 1.0 / (num_microbatches * self.num_replicas)
-        self._forward = {}
-        self._backward = {}
-        for g in self.groups:
+        self._forward, self._backward = {}, {}
+        for g in self.local:
             for region in self._regions_on(g):
                 key = (region.index, g)
                 self._forward[key] = pg.forward_program(region, lifted, self.meshes[g])
                 self._backward[key] = pg.backward_program(region, lifted, self.meshes[g], loss_seed)
-        self._update = {g: pg.update_program(optimizer, self.meshes[g]) for g in self.groups}
-        self.steps: list[Step] = [self._bind(members, index) for members, index in plans.order]
+        self._update = {g: pg.update_program(optimizer, self.meshes[g]) for g in self.local}
+        self.steps: list[Step] = [
+            self._bind(members, index)
+            for members, index in plans.order
+            if self._takes_part(members, index)
+        ]
 
-    def _regions_on(self, group: Group) -> list:
+    def _regions_on(self, group: Group) -> list[Region]:
         regions = {n.region for n in self.dag.compute_nodes() if n.devices == group}
         return [self.lifted.regions[r] for r in sorted(regions)]
 
@@ -80,27 +102,77 @@ class Executor:
         names = self.lifted.param_names
         return {names[p]: self.params[group][names[p]] for p in params}
 
+    def _takes_part(self, members: tuple[Group, ...], index: tuple[int, ...]) -> bool:
+        if any(g in self.local for g in members):
+            return True
+        ins = self.plans.plans[members[0]][index[0]]
+        return ins.op == SEND and ins.peer in self.local
+
     # ---- running a step -------------------------------------------------------------
 
-    def run(self, batch_leaves: Sequence[np.ndarray]) -> list[jax.Array]:
-        """Run every instruction of one step; returns the per-microbatch loss arrays."""
+    def run(self, batch_leaves: Sequence[np.ndarray]) -> None:
+        """Dispatch every instruction of one step of this process."""
         self._stage_batch(batch_leaves)
         self.losses = []
         for step in self.steps:
             step()
-        return self.losses
+
+    def mean_loss(self) -> float:
+        """The step's loss (mean over microbatches and replicas), on every process."""
+        loss_group = next(
+            n.devices for n in self.dag.compute_nodes() if n.region == self.lifted.loss_region
+        )
+        value = np.float32(0.0)
+        if loss_group in self.local:
+            mean = jax.jit(
+                lambda xs: jnp.mean(jnp.stack(xs)),
+                out_shardings=pg.replicated(self.meshes[loss_group]),
+            )(self.losses)
+            value = np.asarray(mean.addressable_shards[0].data, np.float32)
+        if jax.process_count() == 1:
+            return float(value)
+        source = min(d.process_index for d in self.meshes[loss_group].devices.flat)
+        out = multihost_utils.broadcast_one_to_all(value, is_source=jax.process_index() == source)
+        return float(out)
+
+    def gather_params(self) -> dict[str, np.ndarray]:
+        """Every parameter's current value on the host of every process."""
+        owner: dict[str, tuple[int, Group]] = {}
+        for node in self.dag.of_kind(NodeKind.UPD):
+            process = min(d.process_index for d in self.meshes[node.devices].devices.flat)
+            for p in node.params:
+                name = self.lifted.param_names[p]
+                owner[name] = min(owner.get(name, (process, node.devices)), (process, node.devices))
+        out: dict[str, np.ndarray] = {}
+        for process in sorted({p for p, _ in owner.values()}):
+            names = [n for n, (p, _) in owner.items() if p == process]
+            mine = jax.process_index() == process
+            values = {
+                n: np.asarray(self.params[owner[n][1]][n].addressable_shards[0].data)
+                if mine
+                else np.zeros(self._param_shape(n), self._param_dtype(n))
+                for n in names
+            }
+            if jax.process_count() > 1:
+                values = multihost_utils.broadcast_one_to_all(values, is_source=mine)
+            out.update({n: np.asarray(v) for n, v in values.items()})
+        return out
+
+    def _param_shape(self, name: str) -> tuple[int, ...]:
+        return self.param_avals[name][0]
+
+    def _param_dtype(self, name: str) -> Any:
+        return self.param_avals[name][1]
 
     def _stage_batch(self, leaves: Sequence[np.ndarray]) -> None:
         m, r = self.num_microbatches, self.num_replicas
-        for g in self.groups:
+        for g in self.local:
             sharding = pg.stacked(self.meshes[g])
             needed = self.batch_leaves[g]
-            if not needed:
-                continue
             split = {i: leaves[i].reshape((m, r, -1) + leaves[i].shape[1:]) for i in needed}
             for mb in range(m):
                 self.stores[g][f"batch.{mb}"] = {
-                    i: jax.device_put(split[i][mb], sharding) for i in needed
+                    i: host_to_group(split[i][mb], sharding) for i in needed
                 }
 
     # ---- binding instructions to closures -------------------------------------------
@@ -162,12 +234,30 @@ class Executor:
 
         return step
 
+    def buffer_avals(self, label: str) -> list[Aval]:
+        """Global shapes of a moved buffer, known statically on both sides of a transfer."""
+        pass_, rest = label[0], label[1:]
+        r = int(rest.split(".")[0])
+        region = self.lifted.regions[r]
+        if pass_ == "F":
+            shapes = list(region.out_shapes)
+        else:
+            shapes = [
+                self.lifted.regions[a.region].out_shapes[a.position]
+                for a in region.act_inputs
+                if self.lifted.regions[a.region].out_is_float(a.position)
+            ]
+        return [((self.num_replicas,) + tuple(s), d) for s, d in shapes]
+
     def _bind_send(self, g: Group, label: str, peer: Group) -> Step:
-        store, sharding = self.stores[g], pg.stacked(self.meshes[peer])
-        mailbox, key = self.mailbox, (label, peer)
+        transfer = make_transfer(self.meshes[g], self.meshes[peer], self.buffer_avals(label))
+        store, mailbox, key = self.stores[g], self.mailbox, (label, peer)
+        sending = g in self.local
 
         def step() -> None:
-            mailbox[key] = jax.device_put(store[label], sharding)
+            out = transfer(store[label] if sending else None)
+            if out is not None:
+                mailbox[key] = out
 
         return step
 
@@ -179,44 +269,35 @@ class Executor:
 
         return step
 
-    def _bind_all_reduce(self, node: Any, members: tuple[Group, ...]) -> Step:
+    def _bind_all_reduce(self, node: Node, members: tuple[Group, ...]) -> Step:
         names = [self.lifted.param_names[p] for p in node.params]
-        union_devices = [d for g in members for d in self.meshes[g].devices.flat]
-        mesh = pg.group_mesh(union_devices)
+        union = [d for g in members for d in self.meshes[g].devices.flat]
+        mesh = pg.group_mesh(union)
         program = pg.all_reduce_program(mesh)
         in_sharding = pg.stacked(mesh)
+        local_members = [g for g in members if g in self.local]
 
         def step() -> None:
             xs = []
             for n in names:
-                shards = {
-                    s.device: s.data for g in members for s in self.acc[g][n].addressable_shards
-                }
-                shape = (len(union_devices),) + shards[union_devices[0]].shape[1:]
-                xs.append(
-                    jax.make_array_from_single_device_arrays(
-                        shape, in_sharding, [shards[d] for d in union_devices]
-                    )
-                )
+                shards = {}
+                for g in local_members:
+                    shards.update(shards_by_device(self.acc[g][n]))
+                shape = (len(union),) + next(iter(shards.values())).shape[1:]
+                xs.append(from_local_shards(shape, in_sharding, shards))
             for n, total in zip(names, program(xs)):
-                shards = {s.device: s.data for s in total.addressable_shards}
-                for g in members:
-                    mesh_g = self.meshes[g]
-                    self.reduced[g][n] = jax.make_array_from_single_device_arrays(
-                        total.shape, pg.replicated(mesh_g), [shards[d] for d in mesh_g.devices.flat]
+                shards = shards_by_device(total)
+                for g in local_members:
+                    self.reduced[g][n] = from_local_shards(
+                        total.shape, pg.replicated(self.meshes[g]), shards
                     )
 
         return step
 
-    def _bind_update(self, g: Group, node: Any) -> Step:
+    def _bind_update(self, g: Group, node: Node) -> Step:
         names = [self.lifted.param_names[p] for p in node.params]
-        program, params, acc, reduced = (
-            self._update[g],
-            self.params[g],
-            self.acc[g],
-            self.reduced[g],
-        )
-        opt_state, uid = self.opt_state, node.uid
+        program, params, acc = self._update[g], self.params[g], self.acc[g]
+        reduced, opt_state, uid = self.reduced[g], self.opt_state, node.uid
 
         def step() -> None:
             grads = {n: reduced.pop(n) if n in reduced else acc[n] for n in names}

@@ -146,16 +146,13 @@ class TrainStep:
                 f"batch size {size} differs from the compiled example batch's "
                 f"{self._batch_size}; compile again for a new batch size"
             )
-        losses = self._executor.run(leaves)
-        return {"loss": float(jax.numpy.mean(jax.numpy.stack(losses)))}
+        self._executor.run(leaves)
+        return {"loss": self._executor.mean_loss()}
 
     def params(self) -> nnx.State:
         """The current parameters, gathered to the host, as an nnx.State."""
-        found: dict[str, Any] = {}
-        for group_params in self._executor.params.values():
-            for name, value in group_params.items():
-                found.setdefault(name, value)
-        leaves = [np.asarray(jax.device_get(found[n])) for n in self.lifted.param_names]
+        found = self._executor.gather_params()
+        leaves = [found[n] for n in self.lifted.param_names]
         return jax.tree_util.tree_unflatten(self._param_treedef, leaves)
 
     def model(self) -> nnx.Module:

@@ -1,0 +1,92 @@
+"""Moving per-replica buffers between device groups, in one process or across several.
+
+Within one process a transfer is a `device_put` onto the receiving group's sharding.
+When the two groups' devices belong to more than one process, it is a jitted `ppermute`
+over a 1-D mesh of the sending devices followed by the receiving devices: replica i of
+the sender goes to replica i of the receiver. Every process holding one of those devices
+calls it, at the SEND's place in the global instruction order, so both sides always
+issue their transfers in the same relative order; the receiving side passes zeros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from piper_jax.mpmd_runtime.programs import group_mesh, stacked
+
+Aval = tuple[tuple[int, ...], Any]
+
+
+def is_local(device: jax.Device) -> bool:
+    return device.process_index == jax.process_index()
+
+
+def local_devices_of(mesh: Mesh) -> list[jax.Device]:
+    return [d for d in mesh.devices.flat if is_local(d)]
+
+
+def from_local_shards(
+    shape: tuple[int, ...], sharding: NamedSharding, shards: dict[jax.Device, jax.Array]
+) -> jax.Array:
+    """A global array from this process's shards (one per local device of `sharding`)."""
+    local = [d for d in sharding.mesh.devices.flat if is_local(d)]
+    return jax.make_array_from_single_device_arrays(shape, sharding, [shards[d] for d in local])
+
+
+def shards_by_device(array: jax.Array) -> dict[jax.Device, jax.Array]:
+    return {s.device: s.data for s in array.addressable_shards}
+
+
+def host_to_group(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """Place a host value (the same on every process) onto a possibly multi-process group."""
+    value = np.asarray(value)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def make_transfer(
+    src: Mesh, dst: Mesh, avals: Sequence[Aval]
+) -> Callable[[list[jax.Array] | None], list[jax.Array] | None]:
+    """A function taking the sender's stacked buffers (None where this process holds no
+    sending device) and returning the receiver's (None where it holds no receiving one)."""
+    dst_sharding = stacked(dst)
+    devices = list(src.devices.flat) + list(dst.devices.flat)
+    if all(is_local(d) for d in devices):
+        return lambda xs: jax.device_put(xs, dst_sharding)
+    width = src.size
+    mesh = group_mesh(devices)
+    pair_sharding = stacked(mesh)
+    perm = [(i, i + width) for i in range(width)]
+    program = jax.jit(
+        jax.shard_map(
+            lambda xs: [jax.lax.ppermute(x, "r", perm) for x in xs],
+            mesh=mesh,
+            in_specs=P("r"),
+            out_specs=P("r"),
+        )
+    )
+    src_local = set(local_devices_of(src))
+    dst_local = local_devices_of(dst)
+
+    def transfer(xs: list[jax.Array] | None) -> list[jax.Array] | None:
+        inputs = []
+        for k, (shape, dtype) in enumerate(avals):
+            shards = shards_by_device(xs[k]) if src_local else {}
+            for d in dst_local:
+                shards[d] = jnp.zeros((1,) + tuple(shape[1:]), dtype, device=d)
+            full = (2 * width,) + tuple(shape[1:])
+            inputs.append(from_local_shards(full, pair_sharding, shards))
+        outs = program(inputs)
+        if not dst_local:
+            return None
+        return [
+            from_local_shards(tuple(shape), dst_sharding, shards_by_device(o))
+            for o, (shape, _) in zip(outs, avals)
+        ]
+
+    return transfer
