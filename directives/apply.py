@@ -1,12 +1,15 @@
 """Apply a directive list to the training DAG, always in the fixed order of DESIGN.md:
-split -> (backward split) -> place -> replicate -> shard -> order."""
+split -> recompute -> backward split (where an order names BI/BW) -> place -> replicate
+-> shard -> order."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from piper_jax.directives.backward_split import regions_to_split, split_backward_nodes
 from piper_jax.directives.order import apply_order
 from piper_jax.directives.place import apply_place, apply_replicate, check_placement
+from piper_jax.directives.recompute import apply_recompute
 from piper_jax.directives.split import apply_split, split_all
 from piper_jax.directives.transfers import insert_transfers
 from piper_jax.directives.types import (
@@ -38,8 +41,8 @@ def check_directives(directives: Sequence[object]) -> list:
                 f"directive {i} is {d!r}, not a directive: build it with piper_jax.split, "
                 "place, replicate, shard, order, recompute or a schedule builder"
             )
-        if isinstance(d, (Shard, Recompute)):
-            raise DirectiveError(f"directive {i} ({type(d).__name__.lower()}) is not supported yet")
+        if isinstance(d, Shard):
+            raise DirectiveError(f"directive {i} (shard) is not supported yet")
         out.append(d)
     splits = [d for d in out if isinstance(d, Split)]
     if len(splits) > 1:
@@ -58,6 +61,11 @@ def apply_directives(
     directives = check_directives(directives)
     splits = [d for d in directives if isinstance(d, Split)]
     dag = apply_split(dag, splits[0]) if splits else split_all(dag, 1)
+    for i, d in enumerate(directives):
+        if isinstance(d, Recompute):
+            dag = apply_recompute(dag, d, i)
+    orders = [d for d in directives if isinstance(d, Order)]
+    dag = split_backward_nodes(dag, regions_to_split(dag, orders))
     for d in directives:
         if isinstance(d, Place):
             dag = apply_place(dag, d, num_devices)
@@ -69,11 +77,6 @@ def apply_directives(
     dag = insert_transfers(dag)
     for i, d in enumerate(directives):
         if isinstance(d, Order):
-            if any(f.get("PASS") in ("BI", "BW") for g in d.filters for f in g):
-                raise DirectiveError(
-                    f"directive {i} (order) names BI/BW passes: the backward split is not "
-                    "supported yet; order F and B"
-                )
             dag = apply_order(dag, d, i)
     dag.check_acyclic("the directives")
     return dag

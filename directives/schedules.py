@@ -16,8 +16,16 @@ def _check(num_stages: int, num_microbatches: int, name: str) -> None:
             raise DirectiveError(f"{name}: {arg} must be an int >= 1, got {value!r}")
 
 
-def _order(actions: list[tuple[str, int, int]], tag: str, dim_name: str) -> Order:
-    return Order(tuple(({tag: s, dim_name: mb, "PASS": p},) for p, s, mb in actions))
+Action = tuple[str, int, int]  # (pass, stage, microbatch)
+
+
+def _order(actions: list[Action], tag: str, dim_name: str) -> Order:
+    return _grouped_order([[a] for a in actions], tag, dim_name)
+
+
+def _grouped_order(groups: list[list[Action]], tag: str, dim_name: str) -> Order:
+    """One order directive; actions sharing a group may overlap (see DESIGN, order)."""
+    return Order(tuple(tuple({tag: s, dim_name: mb, "PASS": p} for p, s, mb in g) for g in groups))
 
 
 def gpipe(
@@ -53,4 +61,145 @@ def one_f_one_b(
     return [
         _order(one_f_one_b_actions(num_stages, num_microbatches, s), tag, dim_name)
         for s in range(num_stages)
+    ]
+
+
+def interleaved_1f1b_actions(
+    num_stages: int, num_microbatches: int, num_devices: int, device: int
+) -> list[Action]:
+    """Megatron's interleaved 1F1B on `device`, which holds stages device, device + D, ...
+
+    Forwards walk the device's chunks in rounds of D microbatches, backwards walk them
+    in reverse; warm-up is 2(D - r - 1) + (v - 1) D forwards on rank r.
+    """
+    d, m, r = num_devices, num_microbatches, device
+    v = num_stages // d
+    total = m * v
+
+    def forward(k: int) -> tuple[int, int]:
+        return ((k % (d * v)) // d) * d + r, (k // (d * v)) * d + k % d
+
+    def backward(k: int) -> tuple[int, int]:
+        return (v - 1 - (k % (d * v)) // d) * d + r, (k // (d * v)) * d + k % d
+
+    warmup = total if m == d else min(2 * (d - r - 1) + (v - 1) * d, total)
+    actions: list[Action] = [("F", *forward(k)) for k in range(warmup)]
+    for i in range(total - warmup):
+        actions += [("F", *forward(warmup + i)), ("B", *backward(i))]
+    actions += [("B", *backward(i)) for i in range(total - warmup, total)]
+    return actions
+
+
+def interleaved_1f1b(
+    num_stages: int,
+    num_microbatches: int,
+    num_devices: int,
+    tag: str = "PP",
+    dim_name: str = "MB",
+) -> list[Order]:
+    """Interleaved 1F1B: stage s on device s % num_devices; bubble (p-1)(F+B)/v."""
+    _check(num_stages, num_microbatches, "interleaved_1f1b")
+    if num_stages % num_devices or num_microbatches % num_devices:
+        raise DirectiveError(
+            f"interleaved_1f1b: num_stages ({num_stages}) and num_microbatches "
+            f"({num_microbatches}) must both be multiples of num_devices ({num_devices})"
+        )
+    return [
+        _order(
+            interleaved_1f1b_actions(num_stages, num_microbatches, num_devices, r), tag, dim_name
+        )
+        for r in range(num_devices)
+    ]
+
+
+def zero_bubble_h1_actions(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
+    """ZB-H1 on `stage`: 1F1B with B split into BI and BW, each BW deferred by `stage`
+    steps so the deferred BWs fill the cool-down bubble; peak activations stay at p."""
+    m = num_microbatches
+    warmup = min(num_stages - stage - 1, m)
+    actions: list[Action] = [("F", stage, i) for i in range(warmup)]
+    deferred: list[int] = []
+
+    def backward(i: int) -> None:
+        actions.append(("BI", stage, i))
+        deferred.append(i)
+        if len(deferred) > stage:
+            actions.append(("BW", stage, deferred.pop(0)))
+
+    for i in range(m - warmup):
+        actions.append(("F", stage, warmup + i))
+        backward(i)
+    for i in range(m - warmup, m):
+        backward(i)
+    actions += [("BW", stage, i) for i in deferred]
+    return actions
+
+
+def zero_bubble_h1(
+    num_stages: int, num_microbatches: int, tag: str = "PP", dim_name: str = "MB"
+) -> list[Order]:
+    """ZB-H1 (stage s on device s): bubble (p-1)(F+B-2W), 1F1B's memory."""
+    _check(num_stages, num_microbatches, "zero_bubble_h1")
+    return [
+        _order(zero_bubble_h1_actions(num_stages, num_microbatches, s), tag, dim_name)
+        for s in range(num_stages)
+    ]
+
+
+def dualpipev_groups(num_ranks: int, num_microbatches: int, rank: int) -> list[list[Action]]:
+    """DualPipeV's eight phases on `rank` (stages rank and 2N-1-rank), as order groups.
+
+    A group of two passes is a forward of one chunk overlapped with a backward of the
+    other. A zero-bubble backward runs BI and defers its BW to a FIFO that W steps drain.
+    """
+    n, m, r = num_ranks, num_microbatches, rank
+    stage = (r, 2 * n - 1 - r)
+    next_f, next_b = [0, 0], [0, 0]
+    deferred: list[Action] = []
+
+    def f(chunk: int) -> list[Action]:
+        next_f[chunk] += 1
+        return [("F", stage[chunk], next_f[chunk] - 1)]
+
+    def b(chunk: int, zero_bubble: bool = False) -> list[Action]:
+        next_b[chunk] += 1
+        i = next_b[chunk] - 1
+        if zero_bubble:
+            deferred.append(("BW", stage[chunk], i))
+            return [("BI", stage[chunk], i)]
+        return [("BI", stage[chunk], i), ("BW", stage[chunk], i)]
+
+    def w() -> list[Action]:
+        return [deferred.pop(0)]
+
+    groups: list[list[Action]] = [f(0) for _ in range(2 * (n - r - 1))]  # (1)
+    for _ in range(r + 1):  # (2)
+        groups += [f(0), f(1)]
+    for _ in range(n - r - 1):  # (3)
+        groups += [b(1, zero_bubble=True), w(), f(1)]
+    for _ in range(m - 2 * n + r + 1):  # (4)
+        groups += [f(0) + b(1), f(1) + b(0)]
+    for _ in range(n - r - 1):  # (5)
+        groups += [b(1), f(1) + b(0)]
+    chunks = [c for _ in range(r + 1) for c in (1, 0)]  # (6): the second half zero-bubble
+    groups += [b(c, zero_bubble=j >= len(chunks) - (r + 1)) for j, c in enumerate(chunks)]
+    for _ in range(n - r - 1):  # (7)
+        groups += [w(), b(0, zero_bubble=True)]
+    groups += [w() for _ in range(r + 1)]  # (8)
+    return groups
+
+
+def dualpipev(
+    num_ranks: int, num_microbatches: int, tag: str = "PP", dim_name: str = "MB"
+) -> list[Order]:
+    """DualPipeV: 2N stages on N ranks, rank r holds stages r and 2N-1-r; needs m >= 2N."""
+    _check(num_ranks, num_microbatches, "dualpipev")
+    if num_microbatches < 2 * num_ranks:
+        raise DirectiveError(
+            f"dualpipev: num_microbatches ({num_microbatches}) must be at least "
+            f"2 x num_ranks ({2 * num_ranks})"
+        )
+    return [
+        _grouped_order(dualpipev_groups(num_ranks, num_microbatches, r), tag, dim_name)
+        for r in range(num_ranks)
     ]

@@ -51,6 +51,7 @@ class Node:
       params: parameter leaves an UPD node updates or a collective reduces.
       peer: the other side's device group of a SEND (destination) or RECV (source).
       carries: uid of the compute node whose output a SEND/RECV moves.
+      recompute: the region's forward is run again inside its backward (`recompute`).
     """
 
     uid: int
@@ -65,6 +66,7 @@ class Node:
     params: tuple[int, ...] = ()
     peer: tuple[int, ...] = ()
     carries: int | None = None
+    recompute: bool = False
 
     @property
     def tags(self) -> dict[str, int | str]:

@@ -41,6 +41,7 @@ class Region:
     param_ids: tuple[int, ...]
     batch_ids: tuple[int, ...]
     act_inputs: tuple[ActRef, ...]
+    in_shapes: tuple[tuple[tuple[int, ...], Any], ...]
     out_shapes: tuple[tuple[tuple[int, ...], Any], ...]
     loss_position: int | None
     fn: Callable[..., list[Any]]
@@ -159,6 +160,9 @@ def lift(
                 param_ids=tuple(param_index[v] for v in p_vars),
                 batch_ids=tuple(batch_index[v] for v in b_vars),
                 act_inputs=tuple(ActRef(*position[v]) for v in a_vars),
+                in_shapes=tuple(
+                    (tuple(v.aval.shape), v.aval.dtype) for v in p_vars + b_vars + a_vars
+                ),
                 out_shapes=tuple((tuple(v.aval.shape), v.aval.dtype) for v in outputs[r]),
                 loss_position=outputs[r].index(loss_var) if loss_var in outputs[r] else None,
                 fn=_as_region_fn(fn, len(p_vars), len(b_vars)),

@@ -81,12 +81,20 @@ class Executor:
             g: sorted({b for r in self._regions_on(g) for b in r.batch_ids}) for g in self.local
         }
         loss_seed = 1.0 / (num_microbatches * self.num_replicas)
-        self._forward, self._backward = {}, {}
-        for g in self.local:
-            for region in self._regions_on(g):
-                key = (region.index, g)
-                self._forward[key] = pg.forward_program(region, lifted, self.meshes[g])
-                self._backward[key] = pg.backward_program(region, lifted, self.meshes[g], loss_seed)
+        modes = {}
+        for n in dag.compute_nodes():
+            if n.recompute:
+                modes[n.region] = "recompute"
+            elif n.pass_ in ("BI", "BW"):
+                modes[n.region] = "split"
+        self.cotangent_pass = {r: "BI" if m == "split" else "B" for r, m in modes.items()}
+        self._programs = {
+            (region.index, g): pg.RegionPrograms(
+                region, lifted, self.meshes[g], loss_seed, modes.get(region.index, "plain")
+            )
+            for g in self.local
+            for region in self._regions_on(g)
+        }
         self._update = {g: pg.update_program(optimizer, self.meshes[g]) for g in self.local}
         self.steps: list[Step] = [
             self._bind(members, index)
@@ -182,9 +190,13 @@ class Executor:
         ins = self.plans.plans[g][i]
         uid = self.plans.nodes[g][i]
         if ins.op == RUN:
-            if ins.pass_ == "F":
-                return self._bind_forward(g, ins.region, ins.microbatch)
-            return self._bind_backward(g, ins.region, ins.microbatch)
+            bind = {
+                "F": self._bind_forward,
+                "B": self._bind_backward,
+                "BI": self._bind_backward_input,
+                "BW": self._bind_backward_weight,
+            }[ins.pass_]
+            return bind(g, ins.region, ins.microbatch)
         if ins.op == SEND:
             return self._bind_send(g, ins.buffer(), ins.peer)
         if ins.op == RECV:
@@ -199,47 +211,88 @@ class Executor:
 
     def _bind_forward(self, g: Group, r: int, mb: int) -> Step:
         region = self.lifted.regions[r]
-        program, store, params = self._forward[(r, g)], self.stores[g], self.params[g]
+        programs, store, params = self._programs[(r, g)], self.stores[g], self.params[g]
         names = [self.lifted.param_names[p] for p in region.param_ids]
         acts = [(f"F{a.region}.{mb}", a.position) for a in region.act_inputs]
         label, res, batch = f"F{r}.{mb}", f"R{r}.{mb}", f"batch.{mb}"
         loss_pos = region.loss_position
+        recompute = programs.mode == "recompute"
 
         def step() -> None:
             b = store.get(batch, {})
-            outs, vjp = program(
-                [params[n] for n in names],
-                [b[i] for i in region.batch_ids],
-                [store[k][pos] for k, pos in acts],
-            )
-            store[label], store[res] = outs, vjp
+            inputs = ([b[i] for i in region.batch_ids], [store[k][pos] for k, pos in acts])
+            if recompute:
+                outs = programs.forward([params[n] for n in names], *inputs)
+                store[label], store[res] = outs, inputs  # only the region inputs stay alive
+            else:
+                store[label], store[res] = programs.forward([params[n] for n in names], *inputs)
             if loss_pos is not None:
-                self.losses.append(outs[loss_pos])
+                self.losses.append(store[label][loss_pos])
 
         return step
 
-    def _bind_backward(self, g: Group, r: int, mb: int) -> Step:
-        region = self.lifted.regions[r]
-        program, store, acc = self._backward[(r, g)], self.stores[g], self.acc[g]
-        names = [self.lifted.param_names[p] for p in region.param_ids]
+    def _cotangent_inputs(self, region: Region, mb: int) -> list[tuple[int, str]]:
         sources = pg.cotangent_sources(self.lifted, region)
         consumers = sorted({c for src in sources for c, _ in src})
+        return [(c, f"{self.cotangent_pass.get(c, 'B')}{c}.{mb}") for c in consumers]
+
+    def _bind_backward(self, g: Group, r: int, mb: int) -> Step:
+        region = self.lifted.regions[r]
+        programs, store, acc, params = (
+            self._programs[(r, g)],
+            self.stores[g],
+            self.acc[g],
+            self.params[g],
+        )
+        names = [self.lifted.param_names[p] for p in region.param_ids]
+        cot_inputs = self._cotangent_inputs(region, mb)
         label, res = f"B{r}.{mb}", f"R{r}.{mb}"
+        recompute = programs.mode == "recompute"
 
         def step() -> None:
-            cots = {c: store[f"B{c}.{mb}"] for c in consumers}
-            g_acts, new_acc = program(store.pop(res), cots, [acc[n] for n in names])
+            cots = {c: store[k] for c, k in cot_inputs}
+            grads = [acc[n] for n in names]
+            if recompute:
+                batch, acts = store.pop(res)
+                g_acts, new_acc = programs.backward(
+                    [params[n] for n in names], batch, acts, cots, grads
+                )
+            else:
+                g_acts, new_acc = programs.backward(store.pop(res), cots, grads)
             store[label] = g_acts
             acc.update(zip(names, new_acc))
 
         return step
 
+    def _bind_backward_input(self, g: Group, r: int, mb: int) -> Step:
+        programs, store = self._programs[(r, g)], self.stores[g]
+        cot_inputs = self._cotangent_inputs(self.lifted.regions[r], mb)
+        label, res, cross = f"BI{r}.{mb}", f"R{r}.{mb}", f"X{r}.{mb}"
+
+        def step() -> None:
+            cots = {c: store[k] for c, k in cot_inputs}
+            store[label], store[cross] = programs.backward_input(store[res], cots)
+
+        return step
+
+    def _bind_backward_weight(self, g: Group, r: int, mb: int) -> Step:
+        programs, store, acc = self._programs[(r, g)], self.stores[g], self.acc[g]
+        names = [self.lifted.param_names[p] for p in self.lifted.regions[r].param_ids]
+        res, cross = f"R{r}.{mb}", f"X{r}.{mb}"
+
+        def step() -> None:
+            grads = [acc[n] for n in names]
+            acc.update(
+                zip(names, programs.backward_weight(store.pop(res), store.pop(cross), grads))
+            )
+
+        return step
+
     def buffer_avals(self, label: str) -> list[Aval]:
         """Global shapes of a moved buffer, known statically on both sides of a transfer."""
-        pass_, rest = label[0], label[1:]
-        r = int(rest.split(".")[0])
+        r = int(label.lstrip("FBIW").split(".")[0])
         region = self.lifted.regions[r]
-        if pass_ == "F":
+        if label.startswith("F"):
             shapes = list(region.out_shapes)
         else:
             shapes = [

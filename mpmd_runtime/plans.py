@@ -13,6 +13,7 @@ The passes, in the order they run (see `compile_plans`):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -50,6 +51,14 @@ class Plans:
     nodes: dict[Group, list[int | None]]
     order: list[tuple[tuple[Group, ...], tuple[int, ...]]]
     rounds: dict[Group, list[int]]
+
+    def fingerprint(self) -> str:
+        """A digest of every plan; processes compare it to prove they run the same plans."""
+        text = "\n".join(
+            f"{group_str(g)}: " + "; ".join(str(i) for i in plan)
+            for g, plan in sorted(self.plans.items())
+        )
+        return hashlib.sha256(text.encode()).hexdigest()
 
     def grid(self) -> str:
         """Text grid: rows are lockstep rounds, columns are device groups."""

@@ -21,6 +21,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from piper_jax.ir.backward_split import split_backward
 from piper_jax.ir.lift import LiftedLoss, Region
 
 AXIS = "r"
@@ -46,37 +47,8 @@ def _stack(tree: Any) -> Any:
     return jax.tree.map(lambda x: jnp.expand_dims(x, 0), tree)
 
 
-def forward_program(region: Region, lifted: LiftedLoss, mesh: Mesh) -> Callable:
-    """(params, batch, acts) -> (outputs, residuals), keeping the VJP for the backward."""
-    float_in = [lifted.regions[a.region].out_is_float(a.position) for a in region.act_inputs]
-    float_out = [region.out_is_float(i) for i in range(len(region.out_shapes))]
-
-    def local(params: list, batch: list, acts: list) -> tuple:
-        batch, acts = _unstack(batch), _unstack(acts)
-
-        def differentiable(p: list, fa: list) -> tuple[list, list]:
-            it = iter(fa)
-            full = [next(it) if f else a for a, f in zip(acts, float_in)]
-            outs = region.fn(p, batch, full)
-            return (
-                [o for o, f in zip(outs, float_out) if f],
-                [o for o, f in zip(outs, float_out) if not f],
-            )
-
-        float_acts = [a for a, f in zip(acts, float_in) if f]
-        f_outs, vjp, i_outs = jax.vjp(differentiable, params, float_acts, has_aux=True)
-        fi, ii = iter(f_outs), iter(i_outs)
-        outs = [next(fi) if f else next(ii) for f in float_out]
-        return _stack(outs), _stack(vjp)
-
-    mapped = jax.shard_map(
-        local, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)), out_specs=P(AXIS), check_vma=False
-    )
-    return jax.jit(mapped)
-
-
 def cotangent_sources(lifted: LiftedLoss, region: Region) -> list[list[tuple[int, int]]]:
-    """For each float output of `region`: the (consumer region, index into that consumer's
+    """For each output of `region`: the (consumer region, index into that consumer's
     input cotangents) pairs whose cotangents add up to it."""
     sources: list[list[tuple[int, int]]] = [[] for _ in region.out_shapes]
     for consumer in lifted.regions:
@@ -89,38 +61,134 @@ def cotangent_sources(lifted: LiftedLoss, region: Region) -> list[list[tuple[int
     return sources
 
 
-def backward_program(region: Region, lifted: LiftedLoss, mesh: Mesh, loss_seed: float) -> Callable:
-    """(residuals, consumer cotangents, grad accumulators) -> (input cotangents, accumulators).
+def _shard(fn: Callable, mesh: Mesh, in_specs: tuple, out_specs: Any) -> Callable:
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
-    The loss output is seeded with `loss_seed` = 1 / (microbatches * replicas), so summing
-    the accumulated gradients over replicas gives the gradient of the mean loss.
+
+def _accumulate(acc: list, grads: Sequence[Any]) -> list:
+    return [a + jnp.expand_dims(g.astype(a.dtype), 0) for a, g in zip(acc, grads)]
+
+
+class RegionPrograms:
+    """The jitted programs of one region on one device group.
+
+    Modes: "plain" (F keeps the VJP residuals, B applies them), "recompute" (F keeps
+    nothing; B runs the forward again from the region's inputs), "split" (B is cut into
+    BI and BW, see Note [why BW runs after BI, and reuses it]).
     """
-    sources = cotangent_sources(lifted, region)
-    float_out = [i for i in range(len(region.out_shapes)) if region.out_is_float(i)]
 
-    def local(vjp: Any, cots: dict, acc: list) -> tuple:
-        vjp, cots = _unstack(vjp), _unstack(cots)
+    def __init__(
+        self, region: Region, lifted: LiftedLoss, mesh: Mesh, loss_seed: float, mode: str = "plain"
+    ):
+        self.region, self.lifted, self.mesh, self.mode = region, lifted, mesh, mode
+        self.loss_seed = loss_seed
+        self.float_in = [
+            lifted.regions[a.region].out_is_float(a.position) for a in region.act_inputs
+        ]
+        self.float_out = [region.out_is_float(i) for i in range(len(region.out_shapes))]
+        self.sources = cotangent_sources(lifted, region)
+        stacked3 = (P(AXIS), P(AXIS), P(AXIS))
+        if mode == "recompute":
+            self.forward = jax.jit(
+                _shard(self._forward_only, mesh, (P(), P(AXIS), P(AXIS)), P(AXIS))
+            )
+            self.backward = jax.jit(
+                _shard(
+                    self._recompute_backward,
+                    mesh,
+                    (P(),) + stacked3 + (P(AXIS),),
+                    (P(AXIS), P(AXIS)),
+                ),
+                donate_argnums=(4,),
+            )
+            return
+        self.forward = jax.jit(_shard(self._forward, mesh, (P(), P(AXIS), P(AXIS)), P(AXIS)))
+        self.backward = jax.jit(
+            _shard(self._backward, mesh, stacked3, (P(AXIS), P(AXIS))), donate_argnums=(2,)
+        )
+        if mode == "split":
+            self._bi, self._bw = self._split_backward()
+            self.backward_input = jax.jit(
+                _shard(self._backward_input, mesh, (P(AXIS), P(AXIS)), (P(AXIS), P(AXIS)))
+            )
+            self.backward_weight = jax.jit(
+                _shard(self._backward_weight, mesh, stacked3, P(AXIS)), donate_argnums=(2,)
+            )
+
+    # ---- per-replica functions (inside shard_map every value has a leading axis 1) ----
+
+    def _linearize(self, params: list, batch: list, acts: list) -> tuple[list, Any]:
+        def differentiable(p: list, fa: list) -> tuple[list, list]:
+            it = iter(fa)
+            full = [next(it) if f else a for a, f in zip(acts, self.float_in)]
+            outs = self.region.fn(p, batch, full)
+            return (
+                [o for o, f in zip(outs, self.float_out) if f],
+                [o for o, f in zip(outs, self.float_out) if not f],
+            )
+
+        float_acts = [a for a, f in zip(acts, self.float_in) if f]
+        f_outs, vjp, i_outs = jax.vjp(differentiable, params, float_acts, has_aux=True)
+        fi, ii = iter(f_outs), iter(i_outs)
+        return [next(fi) if f else next(ii) for f in self.float_out], vjp
+
+    def _seeds(self, cots: dict) -> list:
+        """The cotangent of each float output: consumers' contributions plus the loss seed."""
         seeds = []
-        for i in float_out:
-            shape, dtype = region.out_shapes[i]
+        for i, is_float in enumerate(self.float_out):
+            if not is_float:
+                continue
+            shape, dtype = self.region.out_shapes[i]
             total = jnp.zeros(shape, dtype)
-            if i == region.loss_position:
-                total = total + jnp.asarray(loss_seed, dtype)
-            for c, j in sources[i]:
+            if i == self.region.loss_position:
+                total = total + jnp.asarray(self.loss_seed, dtype)
+            for c, j in self.sources[i]:
                 total = total + cots[c][j]
             seeds.append(total)
-        g_params, g_acts = vjp(seeds)
-        acc = [a + jnp.expand_dims(g.astype(a.dtype), 0) for a, g in zip(acc, g_params)]
-        return _stack(list(g_acts)), acc
+        return seeds
 
-    mapped = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(P(AXIS), P(AXIS), P(AXIS)),
-        out_specs=(P(AXIS), P(AXIS)),
-        check_vma=False,
-    )
-    return jax.jit(mapped, donate_argnums=(2,))
+    def _forward(self, params: list, batch: list, acts: list) -> tuple:
+        outs, vjp = self._linearize(params, _unstack(batch), _unstack(acts))
+        return _stack(outs), _stack(vjp)
+
+    def _forward_only(self, params: list, batch: list, acts: list) -> list:
+        return _stack(self.region.fn(params, _unstack(batch), _unstack(acts)))
+
+    def _backward(self, vjp: Any, cots: dict, acc: list) -> tuple:
+        g_params, g_acts = _unstack(vjp)(self._seeds(_unstack(cots)))
+        return _stack(list(g_acts)), _accumulate(acc, g_params)
+
+    def _recompute_backward(
+        self, params: list, batch: list, acts: list, cots: dict, acc: list
+    ) -> tuple:
+        _, vjp = self._linearize(params, _unstack(batch), _unstack(acts))
+        g_params, g_acts = vjp(self._seeds(_unstack(cots)))
+        return _stack(list(g_acts)), _accumulate(acc, g_params)
+
+    def _split_backward(self) -> tuple[Callable, Callable]:
+        shapes = [jax.ShapeDtypeStruct(s, d) for s, d in self.region.in_shapes]
+        n_p, n_b = len(self.region.param_ids), len(self.region.batch_ids)
+        _, vjp = jax.eval_shape(
+            self._linearize, shapes[:n_p], shapes[n_p : n_p + n_b], shapes[n_p + n_b :]
+        )
+        seeds = [
+            jax.ShapeDtypeStruct(*self.region.out_shapes[i])
+            for i, f in enumerate(self.float_out)
+            if f
+        ]
+        closed = jax.make_jaxpr(lambda v, s: jax.tree.leaves(v(s)))(vjp, seeds)
+        bi, bw, self.num_cross = split_backward(closed, n_p, len(jax.tree.leaves(vjp)))
+        return bi, bw
+
+    def _backward_input(self, vjp: Any, cots: dict) -> tuple:
+        res = jax.tree.leaves(_unstack(vjp))
+        outs = self._bi(*res, *self._seeds(_unstack(cots)))
+        n_acts = len(outs) - self.num_cross
+        return _stack(outs[:n_acts]), _stack(outs[n_acts:])
+
+    def _backward_weight(self, vjp: Any, cross: list, acc: list) -> list:
+        g_params = self._bw(*jax.tree.leaves(_unstack(vjp)), *_unstack(cross))
+        return _accumulate(acc, g_params)
 
 
 def all_reduce_program(mesh: Mesh) -> Callable:

@@ -16,8 +16,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from piper_jax.ir.errors import PlanError
 from piper_jax.mpmd_runtime.programs import group_mesh, stacked
 
 Aval = tuple[tuple[int, ...], Any]
@@ -90,3 +92,19 @@ def make_transfer(
         ]
 
     return transfer
+
+
+def check_same_plans(fingerprint: str, what: str) -> None:
+    """Raise on every process whose plans differ from process 0's (different directives,
+    model or batch shapes would otherwise deadlock or silently mismatch transfers)."""
+    if jax.process_count() == 1:
+        return
+    mine = np.frombuffer(bytes.fromhex(fingerprint), np.uint8)
+    first = multihost_utils.broadcast_one_to_all(mine)
+    if not np.array_equal(np.asarray(first), mine):
+        raise PlanError(
+            f"process {jax.process_index()} compiled different {what} than process 0 "
+            f"(fingerprint {fingerprint[:12]} vs {bytes(np.asarray(first)).hex()[:12]}): "
+            "every process must run the same script with the same model, directives and "
+            "batch shapes"
+        )

@@ -1,5 +1,11 @@
 """Schedule builders (see piper_jax.directives.schedules)."""
 
-from piper_jax.directives.schedules import gpipe, one_f_one_b
+from piper_jax.directives.schedules import (
+    dualpipev,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    zero_bubble_h1,
+)
 
-__all__ = ["gpipe", "one_f_one_b"]
+__all__ = ["dualpipev", "gpipe", "interleaved_1f1b", "one_f_one_b", "zero_bubble_h1"]

@@ -18,6 +18,7 @@ from piper_jax.ir.dag import NodeKind, TrainingDAG, group_str
 from piper_jax.ir.errors import BatchError, DirectiveError
 from piper_jax.ir.lift import LiftedLoss
 from piper_jax.mpmd_runtime import Executor, Plans, compile_plans
+from piper_jax.mpmd_runtime.transport import check_same_plans
 from piper_jax.optimizer_check import check_optimizer_separable
 
 
@@ -105,6 +106,7 @@ def compile(
     groups = [n.params for n in dag.of_kind(NodeKind.UPD)]
     check_optimizer_separable(optimizer, param_leaves, groups)
     plans = compile_plans(dag, {r.index for r in lifted.regions if r.batch_ids})
+    check_same_plans(plans.fingerprint(), "plans")
     executor = Executor(dag, plans, lifted, optimizer, devices, param_leaves, m)
     return TrainStep(
         dag,
