@@ -1,0 +1,146 @@
+"""The cost-model simulator against the DESIGN closed forms, and timeline output."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import optax
+import pytest
+from helpers import StageMLP, mlp_batches, mlp_loss
+from piper_jax.mpmd_runtime.simulator import resolve_costs, simulate
+from piper_jax.mpmd_runtime.timeline import write_timeline
+
+import piper_jax as piper
+
+FB = {"F": 1, "B": 2}  # F + B = 3 time units per microbatch and stage
+
+
+@functools.cache
+def pipeline_step(schedule: str, p: int, m: int):
+    """StageMLP(p), stage s on device s, scheduled by `schedule` (one_f_one_b or gpipe)."""
+    directives = [
+        piper.split({"PP": "*"}, num_microbatches=m),
+        *[piper.place({"PP": s}, [s]) for s in range(p)],
+        *getattr(piper.schedules, schedule)(p, m),
+    ]
+    return piper.compile(mlp_loss, StageMLP(p), optax.sgd(0.1), mlp_batches(1)[0], directives)
+
+
+def test_1f1b_p4_m8_closed_forms() -> None:
+    step = pipeline_step("one_f_one_b", 4, 8)
+    sim = simulate(step.dag, step.plans, FB)
+    assert sim.step_time == 33  # (m + p - 1)(F + B)
+    assert sim.bubble_fraction == pytest.approx(3 / 11)  # (p - 1) / (m + p - 1)
+    assert sim.idle == {(s,): 9 for s in range(4)}  # (p - 1)(F + B) on every device
+    assert sim.peak_activations[(0,)] == 4  # p
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8)])
+def test_1f1b_bubble_fraction(p: int, m: int) -> None:
+    step = pipeline_step("one_f_one_b", p, m)
+    sim = simulate(step.dag, step.plans, FB)
+    assert sim.step_time == (m + p - 1) * 3
+    assert sim.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    assert sim.peak_activations[(0,)] == p
+    # the last stage holds one activation at a time
+    assert sim.peak_activations[(p - 1,)] == 1
+
+
+def test_gpipe_p4_m8_holds_all_microbatches() -> None:
+    step = pipeline_step("gpipe", 4, 8)
+    sim = simulate(step.dag, step.plans, FB)
+    assert sim.peak_activations[(0,)] == 8  # m
+    assert sim.step_time == 33  # the same bubble as 1F1B, (p - 1)(F + B)
+    assert sim.bubble_fraction == pytest.approx(3 / 11)
+
+
+def test_timeline_is_consistent() -> None:
+    step = pipeline_step("one_f_one_b", 4, 8)
+    sim = simulate(step.dag, step.plans, FB)
+    non_free = sum(1 for plan in step.plans.plans.values() for i in plan if i.op != "FREE")
+    assert len(sim.timeline) == non_free
+    by_group: dict = {}
+    for e in sim.timeline:
+        by_group.setdefault(e.group, []).append(e)
+    for events in by_group.values():  # one instruction at a time per group
+        for a, b in zip(events, events[1:]):
+            assert a.end <= b.start
+    f03 = next(e for e in sim.timeline if e.label == "F0.3")
+    assert (f03.kind, f03.microbatch, f03.start, f03.end) == ("F", 3, 3, 4)
+
+
+def test_collective_and_update_costs() -> None:
+    # the tied embedding makes an ALL_REDUCE over d0 and d3 before UPD0 and UPD3
+    step = pipeline_step("one_f_one_b", 4, 8)
+    sim = simulate(step.dag, step.plans, {**FB, "ALL_REDUCE": 5, "UPD": 1})
+    reduce = [e for e in sim.timeline if e.kind == "ALL_REDUCE"]
+    assert sorted(e.group for e in reduce) == [(0,), (3,)]
+    assert {(e.start, e.end) for e in reduce} == {(33, 38)}  # waits for d0's last B
+    assert sim.step_time == 39
+    assert sim.idle[(0,)] == 39 - 25  # UPD counts as compute, the all-reduce does not
+
+
+def test_transfer_latency_delays_receives() -> None:
+    step = pipeline_step("one_f_one_b", 2, 4)
+    base = simulate(step.dag, step.plans, FB)
+    sim = simulate(step.dag, step.plans, FB, transfer_latency=0.5)
+    assert sim.step_time > base.step_time
+    sends = {e.label.split()[1]: e for e in sim.timeline if e.kind == "SEND"}
+    recvs = [e for e in sim.timeline if e.kind == "RECV"]
+    assert len(recvs) == len(sends) == 8
+    for r in recvs:
+        assert r.start >= sends[r.label.split()[1]].end + 0.5
+
+
+def test_costs() -> None:
+    assert resolve_costs({"F": 1, "BI": 1, "BW": 1})["B"] == 2
+    assert resolve_costs({"F": 1, "B": 2})["BI"] == 1
+    assert resolve_costs({"F": 1, "B": 3, "BW": 1})["BI"] == 2
+    step = pipeline_step("one_f_one_b", 2, 4)
+    split = simulate(step.dag, step.plans, {"F": 1, "BI": 1, "BW": 1})
+    assert split.step_time == simulate(step.dag, step.plans, FB).step_time
+    with pytest.raises(piper.PiperError, match="unknown cost key 'FWD'"):
+        simulate(step.dag, step.plans, {"FWD": 1, "B": 2})
+    with pytest.raises(piper.PiperError, match="no 'F'"):
+        simulate(step.dag, step.plans, {"B": 2})
+    with pytest.raises(piper.PiperError, match="'B' must be a finite number >= 0"):
+        simulate(step.dag, step.plans, {"F": 1, "B": -2})
+
+
+def test_deadlock_raises_plan_error() -> None:
+    step = pipeline_step("one_f_one_b", 2, 2)
+    plans = {g: list(p) for g, p in step.plans.plans.items()}
+    nodes = {g: list(n) for g, n in step.plans.nodes.items()}
+
+    def move_before(group, text, anchor):
+        names = [str(x) for x in plans[group]]
+        i, j = names.index(text), names.index(anchor)
+        for seq in (plans[group], nodes[group]):
+            seq.insert(j, seq.pop(i))
+
+    # d0 waits for B1.0 before sending F0.1; d1 waits for F0.1 before sending B1.0
+    move_before((0,), "RECV B1.0 <- d1", "SEND F0.1 -> d1")
+    move_before((1,), "RECV F0.1 <- d0", "SEND B1.0 -> d0")
+    bad = dataclasses.replace(step.plans, plans=plans, nodes=nodes)
+    with pytest.raises(piper.PlanError, match=r"deadlock(.|\n)*d0: RECV B1.0 <- d1(.|\n)*>> "):
+        simulate(step.dag, bad, FB)
+
+
+def test_write_timeline_png_and_json(tmp_path) -> None:
+    step = pipeline_step("one_f_one_b", 4, 8)
+    sim = simulate(step.dag, step.plans, FB)
+    png = tmp_path / "timeline.png"
+    write_timeline(sim.timeline, png, title="1F1B p=4 m=8")
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    trace_path = tmp_path / "timeline.json"
+    write_timeline(sim.timeline, trace_path, title="1F1B p=4 m=8")
+    trace = json.loads(trace_path.read_text())
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    non_free = sum(1 for plan in step.plans.plans.values() for i in plan if i.op != "FREE")
+    assert len(slices) == non_free
+    last = max(slices, key=lambda e: e["ts"] + e["dur"])
+    assert last["ts"] + last["dur"] == pytest.approx(33 * 1000.0)  # 1 unit = 1 ms
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert names == {"d0", "d1", "d2", "d3"}
