@@ -9,6 +9,7 @@ processes (its programs then run multi-controller SPMD on every process that hol
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from piper_jax.ir.lift import LiftedLoss, Region
 from piper_jax.mpmd_runtime import programs as pg
 from piper_jax.mpmd_runtime.instructions import ALL_REDUCE, FREE, RECV, RUN, SEND, UPD
 from piper_jax.mpmd_runtime.plans import Group, Plans
+from piper_jax.mpmd_runtime.simulator import TimelineEvent
 from piper_jax.mpmd_runtime.transport import (
     Aval,
     from_local_shards,
@@ -96,11 +98,9 @@ class Executor:
             for region in self._regions_on(g)
         }
         self._update = {g: pg.update_program(optimizer, self.meshes[g]) for g in self.local}
-        self.steps: list[Step] = [
-            self._bind(members, index)
-            for members, index in plans.order
-            if self._takes_part(members, index)
-        ]
+        events = [(m, i) for m, i in plans.order if self._takes_part(m, i)]
+        self.steps: list[Step] = [self._bind(members, index) for members, index in events]
+        self.step_events = events
 
     def _regions_on(self, group: Group) -> list[Region]:
         regions = {n.region for n in self.dag.compute_nodes() if n.devices == group}
@@ -124,6 +124,28 @@ class Executor:
         self.losses = []
         for step in self.steps:
             step()
+
+    def run_recorded(self, batch_leaves: Sequence[np.ndarray]) -> list[TimelineEvent]:
+        """Run one step instruction by instruction, waiting for each to finish, and return
+        when each ran (seconds from the start). For timelines and cost measurement only:
+        it serialises the devices, so the step is slower than `run`."""
+        self._stage_batch(batch_leaves)
+        jax.block_until_ready(self.stores)
+        self.losses = []
+        events = []
+        t0 = time.perf_counter()
+        for step, (members, index) in zip(self.steps, self.step_events):
+            start = time.perf_counter() - t0
+            step()
+            jax.block_until_ready((self.stores, self.acc, self.params, self.mailbox, self.reduced))
+            end = time.perf_counter() - t0
+            ins = self.plans.plans[members[0]][index[0]]
+            if ins.op == FREE:
+                continue
+            kind = ins.pass_ if ins.op == RUN else ins.op
+            for g in members:
+                events.append(TimelineEvent(g, str(ins), kind, ins.microbatch, start, end))
+        return events
 
     def mean_loss(self) -> float:
         """The step's loss (mean over microbatches and replicas), on every process."""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -18,6 +19,8 @@ from piper_jax.ir.dag import NodeKind, TrainingDAG, group_str
 from piper_jax.ir.errors import BatchError, DirectiveError
 from piper_jax.ir.lift import LiftedLoss
 from piper_jax.mpmd_runtime import Executor, Plans, compile_plans
+from piper_jax.mpmd_runtime.simulator import Simulation, simulate
+from piper_jax.mpmd_runtime.timeline import write_timeline
 from piper_jax.mpmd_runtime.transport import check_same_plans
 from piper_jax.optimizer_check import check_optimizer_separable
 
@@ -136,6 +139,10 @@ class TrainStep:
         self._batch_treedef, self._batch_names, self._batch_size, self._parts = batch_spec
 
     def __call__(self, batch: Any) -> dict[str, float]:
+        self._executor.run(self._batch_leaves(batch))
+        return {"loss": self._executor.mean_loss()}
+
+    def _batch_leaves(self, batch: Any) -> list[np.ndarray]:
         leaves, treedef = jax.tree_util.tree_flatten(batch)
         if treedef != self._batch_treedef:
             raise BatchError(
@@ -148,8 +155,7 @@ class TrainStep:
                 f"batch size {size} differs from the compiled example batch's "
                 f"{self._batch_size}; compile again for a new batch size"
             )
-        self._executor.run(leaves)
-        return {"loss": self._executor.mean_loss()}
+        return leaves
 
     def params(self) -> nnx.State:
         """The current parameters, gathered to the host, as an nnx.State."""
@@ -160,6 +166,38 @@ class TrainStep:
     def model(self) -> nnx.Module:
         """An nnx model holding the current parameters."""
         return nnx.merge(self._graphdef, self.params(), self._rest)
+
+    def simulate(
+        self, costs: Mapping[str, float] | None = None, transfer_latency: float = 0.0
+    ) -> Simulation:
+        """Run the plans on a cost model (default unit costs F=1, B=2).
+
+        Returns a Simulation with .step_time, .bubble_fraction, .peak_activations (per
+        device group, in microbatch-activation units) and .timeline.
+        """
+        return simulate(self.dag, self.plans, costs or {"F": 1, "B": 2}, transfer_latency)
+
+    def measure_costs(self, batch: Any) -> dict[str, float]:
+        """Seconds per pass (and per op) from one instrumented step on `batch`, for
+        `simulate`: the mean over all instructions of each kind. Trains one step."""
+        events = self._executor.run_recorded(self._batch_leaves(batch))
+        totals: dict[str, list[float]] = {}
+        for e in events:
+            totals.setdefault(e.kind, []).append(e.end - e.start)
+        return {k: sum(v) / len(v) for k, v in totals.items() if k != "RECV"}
+
+    def timeline(
+        self, path: str | os.PathLike, batch: Any = None, costs: Mapping[str, float] | None = None
+    ) -> None:
+        """Write the plans as a PNG Gantt chart, or a Chrome/Perfetto trace if `path` ends
+        in .json: simulated with `costs`, or, given a `batch`, the real times of one
+        instrumented step on it (which trains one step)."""
+        if batch is None:
+            events, unit, title = self.simulate(costs).timeline, 1000.0, "simulated"
+        else:
+            events = self._executor.run_recorded(self._batch_leaves(batch))
+            unit, title = 1e6, "measured (instrumented, devices serialised)"
+        write_timeline(events, path, title=title, time_unit_us=unit)
 
     def explain(self) -> str:
         """Regions, their placement, and each device group's instruction list."""
