@@ -1,6 +1,12 @@
-"""order: temporal edges between consecutive groups of filters on one device group."""
+"""order: temporal edges between consecutive groups of filters on one device group.
+
+Nodes matched by one group may interleave: they get no edges among themselves and share
+an overlap id, so the plan compiler runs them as one unit (DualPipe's F&B pairs).
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 from piper_jax.directives.filters import filter_str, select
 from piper_jax.directives.types import Order
@@ -26,6 +32,14 @@ def apply_order(dag: TrainingDAG, directive: Order, index: int) -> TrainingDAG:
             f"{where} orders {na} on {list(a)} with {nb} on {list(b)}: an order runs on one "
             "device group; write one order directive per device group"
         )
+    next_overlap = 1 + max((n.overlap or 0 for n in dag.nodes.values()), default=0)
+    for nodes in groups:
+        if len(nodes) > 1:
+            for n in nodes.values():
+                if n.overlap is not None:
+                    raise DirectiveError(f"{where}: {n} is in two overlap groups")
+                dag.replace(dataclasses.replace(n, overlap=next_overlap))
+            next_overlap += 1
     for before, after in zip(groups, groups[1:]):
         for a in before:
             for b in after:

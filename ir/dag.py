@@ -52,6 +52,8 @@ class Node:
       peer: the other side's device group of a SEND (destination) or RECV (source).
       carries: uid of the compute node whose output a SEND/RECV moves.
       recompute: the region's forward is run again inside its backward (`recompute`).
+      overlap: nodes sharing an id were named in one order group: they run as one unit,
+        back to back, once all of them have their inputs (see directives/order.py).
     """
 
     uid: int
@@ -67,6 +69,7 @@ class Node:
     peer: tuple[int, ...] = ()
     carries: int | None = None
     recompute: bool = False
+    overlap: int | None = None
 
     @property
     def tags(self) -> dict[str, int | str]:

@@ -103,7 +103,7 @@ def member_groups(node: Node, groups: Iterable[Group]) -> list[Group]:
 
 def compile_plans(dag: TrainingDAG, batch_regions: set[int]) -> Plans:
     groups = compute_groups(dag)
-    order = schedule_nodes(dag, groups)
+    order = {g: sink_receives(dag, uids) for g, uids in schedule_nodes(dag, groups).items()}
     plans = {g: [to_instruction(dag, dag.nodes[u]) for u in order[g]] for g in groups}
     nodes: dict[Group, list[int | None]] = {g: list(order[g]) for g in groups}
     plans, nodes = insert_frees(dag, plans, nodes, batch_regions)
@@ -116,9 +116,11 @@ def schedule_nodes(dag: TrainingDAG, groups: list[Group]) -> dict[Group, list[in
     members = {u: member_groups(n, groups) for u, n in dag.nodes.items()}
     missing = {u: 0 for u in dag.nodes}
     succs: dict[int, list[int]] = defaultdict(list)
+    preds: dict[int, list[int]] = defaultdict(list)
     for e in dag.edges:
         missing[e.dst] += 1
         succs[e.src].append(e.dst)
+        preds[e.dst].append(e.src)
     ready: dict[Group, set[int]] = {g: set() for g in groups}
     for u, count in missing.items():
         if count == 0:
@@ -132,36 +134,98 @@ def schedule_nodes(dag: TrainingDAG, groups: list[Group]) -> dict[Group, list[in
     def priority(u: int) -> tuple[int, int]:
         return (_PRIORITY.get(dag.nodes[u].kind, 2), u)
 
+    units: dict[int, list[int]] = defaultdict(list)
+    for u, n in sorted(dag.nodes.items()):
+        if n.overlap is not None:
+            units[n.overlap].append(u)
+    done: set[int] = set()
+    scheduled: set[int] = set()
+
+    def unit_of(u: int) -> list[int]:
+        overlap = dag.nodes[u].overlap
+        return [u] if overlap is None else units[overlap]
+
+    def unit_ready(unit: list[int]) -> bool:
+        inside = set(unit)
+        return all(p in done or p in inside for v in unit for p in preds[v])
+
+    def finish(u: int) -> None:
+        done.add(u)
+        for v in succs[u]:
+            missing[v] -= 1
+            if missing[v] == 0 and v not in scheduled:
+                for g in members[v]:
+                    ready[g].add(v)
+
     while remaining:
         finished = []
         for g in groups:
-            if waiting[g] is not None or not ready[g]:
-                continue
-            u = min(ready[g], key=priority)
-            ready[g].discard(u)
-            order[g].append(u)
-            remaining -= 1
-            arrived[u].add(g)
-            if len(arrived[u]) == len(members[u]):
-                finished.append(u)
+            # transfers take no time here: a group goes on picking after a SEND or RECV
+            while waiting[g] is None and ready[g]:
+                candidates = [v for v in ready[g] if unit_ready(unit_of(v))]
+                if not candidates:
+                    break
+                u = min(candidates, key=priority)
+                if len(unit_of(u)) > 1:  # an overlap unit: all of it, back to back
+                    for v in unit_of(u):
+                        scheduled.add(v)
+                        ready[g].discard(v)
+                        order[g].append(v)
+                        remaining -= 1
+                        finished.append(v)
+                    break
+                ready[g].discard(u)
+                order[g].append(u)
+                remaining -= 1
+                arrived[u].add(g)
+                if len(arrived[u]) < len(members[u]):
+                    waiting[g] = u
+                    break
                 for m in members[u]:
                     waiting[m] = None
-            else:
-                waiting[g] = u
-        if not finished and all(w is not None or not ready[g] for g, w in waiting.items()):
-            if remaining:
-                stuck = {g: len(order[g]) for g in groups}
-                raise PlanError(
-                    "the DAG cannot be scheduled: no device group can make "
-                    f"progress.\n{_stuck_report(dag, order, stuck)}"
-                )
+                if dag.nodes[u].kind not in (NodeKind.SEND, NodeKind.RECV):
+                    finished.append(u)
+                    break
+                finish(u)
+        if (
+            not finished
+            and remaining
+            and all(w is not None or not ready[g] for g, w in waiting.items())
+        ):
+            stuck = {g: len(order[g]) for g in groups}
+            raise PlanError(
+                "the DAG cannot be scheduled: no device group can make "
+                f"progress.\n{_stuck_report(dag, order, stuck)}"
+            )
         for u in finished:
-            for v in succs[u]:
-                missing[v] -= 1
-                if missing[v] == 0:
-                    for g in members[v]:
-                        ready[g].add(v)
+            finish(u)
     return order
+
+
+def sink_receives(dag: TrainingDAG, uids: list[int]) -> list[int]:
+    """Move every RECV to just before its first reader in the plan.
+
+    A RECV only waits for its SEND, and a SEND never waits for its receiver, so a later
+    RECV cannot deadlock; placed late, it never holds up independent work before it (it
+    acts like a posted receive).
+    """
+    recvs = {u for u in uids if dag.nodes[u].kind is NodeKind.RECV}
+    readers = {u: set(dag.succs(u)) for u in recvs}
+    out: list[int] = []
+    pending: list[int] = []
+    for i, u in enumerate(uids):
+        if u in recvs:
+            pending.append(u)
+            continue
+        overlap = dag.nodes[u].overlap
+        unit = {u}
+        if overlap is not None:  # keep an overlap unit contiguous: receive before it
+            unit.update(v for v in uids[i:] if dag.nodes[v].overlap == overlap)
+        for r in [r for r in pending if readers[r] & unit]:
+            pending.remove(r)
+            out.append(r)
+        out.append(u)
+    return out + pending
 
 
 def _stuck_report(dag: TrainingDAG, order: dict[Group, list[int]], at: dict[Group, int]) -> str:
@@ -259,6 +323,7 @@ def dry_run(
     pc = {g: 0 for g in groups}
     rounds: dict[Group, list[int]] = {g: [-1] * len(plans[g]) for g in groups}
     done: set[int] = set()
+    scheduled: set[int] = set()
     events: list[tuple[tuple[Group, ...], tuple[int, ...]]] = []
     r = 0
     while any(pc[g] < len(plans[g]) for g in groups):

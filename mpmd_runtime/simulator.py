@@ -200,6 +200,14 @@ def simulate(
         for p in preds[u]:
             latency = transfer_latency if is_recv and dag.nodes[p].kind is NodeKind.SEND else 0.0
             start = max(start, finish[p] + latency)
+        unit = _overlap_unit(dag, plans, g, pc[g])
+        for v in unit[1:]:  # an overlap unit starts once every member has its inputs
+            for p in preds[v]:
+                if p in unit:
+                    continue
+                if p not in finish:
+                    return None
+                start = max(start, finish[p])
         return start
 
     remaining = sum(len(p) for p in plans.plans.values())
@@ -243,6 +251,27 @@ def simulate(
     bubble = sum(idle.values()) / (len(groups) * step_time) if step_time > 0 else 0.0
     peaks = _peak_activations(plans, starts, ends)
     return Simulation(step_time, bubble, idle, peaks, timeline)
+
+
+def _overlap_unit(dag: TrainingDAG, plans: Plans, g: Group, i: int) -> list[int]:
+    """The uids of the overlap unit starting at instruction i of g ([] if none starts there)."""
+    u = plans.nodes[g][i]
+    overlap = dag.nodes[u].overlap
+    if overlap is None or (i > 0 and _overlap_at(dag, plans, g, i - 1) == overlap):
+        return []
+    unit = []
+    for v in plans.nodes[g][i:]:
+        if v is None:
+            continue
+        if dag.nodes[v].overlap != overlap:
+            break
+        unit.append(v)
+    return unit
+
+
+def _overlap_at(dag: TrainingDAG, plans: Plans, g: Group, i: int) -> int | None:
+    u = plans.nodes[g][i]
+    return None if u is None else dag.nodes[u].overlap
 
 
 def _peak_activations(
