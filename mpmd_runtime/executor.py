@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import multihost_utils
-from piper_jax.ir.dag import Node, NodeKind, TrainingDAG
+from piper_jax.ir.dag import Node, NodeKind, TrainingDAG, group_str
+from piper_jax.ir.errors import PiperError
 from piper_jax.ir.lift import LiftedLoss, Region
 from piper_jax.mpmd_runtime import programs as pg
 from piper_jax.mpmd_runtime.instructions import ALL_REDUCE, FREE, RECV, RUN, SEND, UPD
@@ -122,8 +123,41 @@ class Executor:
         """Dispatch every instruction of one step of this process."""
         self._stage_batch(batch_leaves)
         self.losses = []
-        for step in self.steps:
-            step()
+        witnesses = self._witnesses = []
+        for i, step in enumerate(self.steps):
+            out = step()
+            if out is not None:
+                witnesses.append((i, out))
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait for every dispatched instruction of this process, in order; a PiperError
+        naming the first unfinished one and the peer processes it waits on if the step
+        does not finish within `timeout_s` (a dead or stalled peer), instead of a hang."""
+        deadline = time.monotonic() + timeout_s
+        pause = 1e-5
+        for i, out in self._witnesses:
+            leaves = jax.tree.leaves(out)
+            while not all(x.is_deleted() or x.is_ready() for x in leaves):
+                if time.monotonic() > deadline:
+                    raise PiperError(self._stall_message(i, timeout_s))
+                time.sleep(pause)
+                pause = min(2 * pause, 1e-3)
+
+    def _stall_message(self, index: int, timeout_s: float) -> str:
+        members, position = self.step_events[index]
+        ins = self.plans.plans[members[0]][position[0]]
+        groups = set(members) | ({ins.peer} if ins.op in (SEND, RECV) else set())
+        processes = sorted(
+            {d.process_index for g in groups for d in self.meshes[g].devices.flat}
+            - {jax.process_index()}
+        )
+        peers = ", ".join(f"process {p}" for p in processes) or "no other process"
+        return (
+            f"process {jax.process_index()}: instruction '{ins}' on "
+            f"{', '.join(group_str(g) for g in members)} did not finish within {timeout_s:g} s; "
+            f"it waits on {peers}, which died or stalled. Check that process's output; "
+            "raise the step timeout (compile(..., timeout_s=...)) for very long steps"
+        )
 
     def run_recorded(self, batch_leaves: Sequence[np.ndarray]) -> list[TimelineEvent]:
         """Run one step instruction by instruction, waiting for each to finish, and return
@@ -147,8 +181,9 @@ class Executor:
                 events.append(TimelineEvent(g, str(ins), kind, ins.microbatch, start, end))
         return events
 
-    def mean_loss(self) -> float:
+    def mean_loss(self, timeout_s: float) -> float:
         """The step's loss (mean over microbatches and replicas), on every process."""
+        self.wait(timeout_s)
         loss_group = next(
             n.devices for n in self.dag.compute_nodes() if n.region == self.lifted.loss_region
         )
@@ -250,6 +285,7 @@ class Executor:
                 store[label], store[res] = programs.forward([params[n] for n in names], *inputs)
             if loss_pos is not None:
                 self.losses.append(store[label][loss_pos])
+            return store[label]
 
         return step
 
@@ -283,6 +319,7 @@ class Executor:
                 g_acts, new_acc = programs.backward(store.pop(res), cots, grads)
             store[label] = g_acts
             acc.update(zip(names, new_acc))
+            return new_acc or g_acts
 
         return step
 
@@ -294,6 +331,7 @@ class Executor:
         def step() -> None:
             cots = {c: store[k] for c, k in cot_inputs}
             store[label], store[cross] = programs.backward_input(store[res], cots)
+            return store[cross] or store[label]
 
         return step
 
@@ -304,9 +342,9 @@ class Executor:
 
         def step() -> None:
             grads = [acc[n] for n in names]
-            acc.update(
-                zip(names, programs.backward_weight(store.pop(res), store.pop(cross), grads))
-            )
+            new_acc = programs.backward_weight(store.pop(res), store.pop(cross), grads)
+            acc.update(zip(names, new_acc))
+            return new_acc
 
         return step
 
@@ -333,6 +371,7 @@ class Executor:
             out = transfer(store[label] if sending else None)
             if out is not None:
                 mailbox[key] = out
+            return out
 
         return step
 
@@ -360,12 +399,14 @@ class Executor:
                     shards.update(shards_by_device(self.acc[g][n]))
                 shape = (len(union),) + next(iter(shards.values())).shape[1:]
                 xs.append(from_local_shards(shape, in_sharding, shards))
-            for n, total in zip(names, program(xs)):
+            totals = program(xs)
+            for n, total in zip(names, totals):
                 shards = shards_by_device(total)
                 for g in local_members:
                     self.reduced[g][n] = from_local_shards(
                         total.shape, pg.replicated(self.meshes[g]), shards
                     )
+            return totals
 
         return step
 
@@ -381,5 +422,6 @@ class Executor:
             )
             params.update(new_params)
             acc.update(zeros)
+            return new_params
 
         return step

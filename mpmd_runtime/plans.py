@@ -323,7 +323,6 @@ def dry_run(
     pc = {g: 0 for g in groups}
     rounds: dict[Group, list[int]] = {g: [-1] * len(plans[g]) for g in groups}
     done: set[int] = set()
-    scheduled: set[int] = set()
     events: list[tuple[tuple[Group, ...], tuple[int, ...]]] = []
     r = 0
     while any(pc[g] < len(plans[g]) for g in groups):

@@ -24,6 +24,8 @@ from piper_jax.mpmd_runtime.timeline import write_timeline
 from piper_jax.mpmd_runtime.transport import check_same_plans
 from piper_jax.optimizer_check import check_optimizer_separable
 
+DEFAULT_STEP_TIMEOUT_S = 300.0
+
 
 def _leaf_names(tree: Any) -> tuple[list[str], list[Any], Any]:
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
@@ -64,6 +66,7 @@ def compile(
     example_batch: Any,
     directives: Sequence[Any] = (),
     devices: Sequence[jax.Device] | None = None,
+    timeout_s: float | None = None,
 ) -> TrainStep:
     """Compile a training step of `model` under a directive list.
 
@@ -75,6 +78,8 @@ def compile(
       example_batch: a global batch (pytree of arrays with a leading batch axis).
       directives: split, place, replicate, order, schedule builders' outputs.
       devices: the devices directive indices refer to; default `jax.devices()`.
+      timeout_s: how long a step may take before it fails naming the instruction and
+        peer it waits on (a dead or stalled process); default $PIPER_STEP_TIMEOUT or 300.
 
     Returns:
       A TrainStep; call it with a global batch to run one training step.
@@ -111,6 +116,8 @@ def compile(
     plans = compile_plans(dag, {r.index for r in lifted.regions if r.batch_ids})
     check_same_plans(plans.fingerprint(), "plans")
     executor = Executor(dag, plans, lifted, optimizer, devices, param_leaves, m)
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("PIPER_STEP_TIMEOUT", DEFAULT_STEP_TIMEOUT_S))
     return TrainStep(
         dag,
         plans,
@@ -118,6 +125,7 @@ def compile(
         executor,
         (graphdef, param_treedef, rest),
         (batch_treedef, batch_names, size, m * replicas),
+        timeout_s,
     )
 
 
@@ -132,15 +140,17 @@ class TrainStep:
         executor: Executor,
         model_parts: tuple,
         batch_spec: tuple,
+        timeout_s: float = 300.0,
     ):
         self.dag, self.plans, self.lifted = dag, plans, lifted
+        self.timeout_s = timeout_s
         self._executor = executor
         self._graphdef, self._param_treedef, self._rest = model_parts
         self._batch_treedef, self._batch_names, self._batch_size, self._parts = batch_spec
 
     def __call__(self, batch: Any) -> dict[str, float]:
         self._executor.run(self._batch_leaves(batch))
-        return {"loss": self._executor.mean_loss()}
+        return {"loss": self._executor.mean_loss(self.timeout_s)}
 
     def _batch_leaves(self, batch: Any) -> list[np.ndarray]:
         leaves, treedef = jax.tree_util.tree_flatten(batch)
