@@ -21,3 +21,7 @@ class BatchError(PiperError):
 
 class PlanError(PiperError):
     """The per-device plans cannot run to completion (deadlock or mismatched communication)."""
+
+
+class DistributedError(PiperError):
+    """The processes of a run cannot be joined (bad launcher environment, wrong call order)."""

@@ -11,7 +11,10 @@ from typing import Any
 
 import jax
 import jax.extend.core as jex
-from jax._src import source_info_util  # private: user frames for error messages
+from jax._src import (
+    source_info_util,  # private: user frames for error messages
+    xla_bridge,  # private: has the backend started?
+)
 
 SUPPORTED_JAX_VERSIONS = ("0.10.2",)
 
@@ -60,3 +63,8 @@ def sub_jaxpr_fn(
         list(constvars), list(invars), list(outvars), list(eqns), effects, debug_info=debug
     )
     return jex.jaxpr_as_fun(ClosedJaxpr(jaxpr, list(consts)))
+
+
+def backends_are_initialized() -> bool:
+    """Whether JAX has started its backends (after which device counts are fixed)."""
+    return xla_bridge.backends_are_initialized()

@@ -24,7 +24,6 @@ from piper_jax.ir.lift import LiftedLoss, Region
 from piper_jax.mpmd_runtime import programs as pg
 from piper_jax.mpmd_runtime.instructions import ALL_REDUCE, FREE, RECV, RUN, SEND, UPD
 from piper_jax.mpmd_runtime.plans import Group, Plans
-from piper_jax.mpmd_runtime.simulator import TimelineEvent
 from piper_jax.mpmd_runtime.transport import (
     Aval,
     from_local_shards,
@@ -33,6 +32,7 @@ from piper_jax.mpmd_runtime.transport import (
     make_transfer,
     shards_by_device,
 )
+from piper_jax.mpmd_runtime.watchdog import StepWatchdog
 
 Step = Callable[[], None]
 
@@ -99,6 +99,15 @@ class Executor:
             for region in self._regions_on(g)
         }
         self._update = {g: pg.update_program(optimizer, self.meshes[g]) for g in self.local}
+        self.loss_group = next(
+            n.devices for n in dag.compute_nodes() if n.region == lifted.loss_region
+        )
+        self._mean_loss_program = jax.jit(
+            lambda xs: jnp.mean(jnp.stack(xs)),
+            out_shardings=pg.replicated(self.meshes[self.loss_group]),
+        )
+        self._position = 0
+        self._witnesses: list[tuple[int, Any]] = []
         events = [(m, i) for m, i in plans.order if self._takes_part(m, i)]
         self.steps: list[Step] = [self._bind(members, index) for members, index in events]
         self.step_events = events
@@ -124,10 +133,35 @@ class Executor:
         self._stage_batch(batch_leaves)
         self.losses = []
         witnesses = self._witnesses = []
-        for i, step in enumerate(self.steps):
-            out = step()
-            if out is not None:
-                witnesses.append((i, out))
+        i = 0
+        try:
+            for i, step in enumerate(self.steps):
+                self._position = i
+                out = step()
+                if out is not None:
+                    witnesses.append((i, out))
+        except Exception as err:
+            if not self._peers_of(i):
+                raise
+            raise PiperError(self._failure_message(i, f"failed: {err}")) from err
+
+    def step(self, batch_leaves: Sequence[np.ndarray], timeout_s: float) -> float:
+        """Run one step and return its loss, within `timeout_s` (see mpmd_runtime/watchdog.py)."""
+        if jax.process_count() == 1:
+            self.run(batch_leaves)
+            return self.mean_loss(timeout_s)
+        with StepWatchdog(timeout_s, lambda: self._stall_report(timeout_s)):
+            self.run(batch_leaves)
+            return self.mean_loss(timeout_s)
+
+    def _stall_report(self, timeout_s: float) -> str:
+        """The first unfinished instruction, read without blocking (watchdog thread)."""
+        stuck = self._position
+        for i, out in self._witnesses:
+            if not all(x.is_deleted() or x.is_ready() for x in jax.tree.leaves(out)):
+                stuck = min(stuck, i)
+                break
+        return self._failure_message(stuck, f"did not finish within {timeout_s:g} s")
 
     def wait(self, timeout_s: float) -> None:
         """Wait for every dispatched instruction of this process, in order; a PiperError
@@ -139,65 +173,58 @@ class Executor:
             leaves = jax.tree.leaves(out)
             while not all(x.is_deleted() or x.is_ready() for x in leaves):
                 if time.monotonic() > deadline:
-                    raise PiperError(self._stall_message(i, timeout_s))
+                    raise PiperError(
+                        self._failure_message(
+                            i,
+                            f"did not finish within {timeout_s:g} s",
+                            "; raise the step timeout (compile(..., timeout_s=...)) for very "
+                            "long steps",
+                        )
+                    )
                 time.sleep(pause)
                 pause = min(2 * pause, 1e-3)
 
-    def _stall_message(self, index: int, timeout_s: float) -> str:
+    def _peers_of(self, index: int) -> list[int]:
+        """The other processes that instruction `index` of the step exchanges data with."""
         members, position = self.step_events[index]
         ins = self.plans.plans[members[0]][position[0]]
         groups = set(members) | ({ins.peer} if ins.op in (SEND, RECV) else set())
-        processes = sorted(
+        return sorted(
             {d.process_index for g in groups for d in self.meshes[g].devices.flat}
             - {jax.process_index()}
         )
-        peers = ", ".join(f"process {p}" for p in processes) or "no other process"
+
+    def _failure_message(self, index: int, what: str, hint: str = "") -> str:
+        members, position = self.step_events[index]
+        ins = self.plans.plans[members[0]][position[0]]
+        peers = ", ".join(f"process {p}" for p in self._peers_of(index)) or "no other process"
         return (
             f"process {jax.process_index()}: instruction '{ins}' on "
-            f"{', '.join(group_str(g) for g in members)} did not finish within {timeout_s:g} s; "
-            f"it waits on {peers}, which died or stalled. Check that process's output; "
-            "raise the step timeout (compile(..., timeout_s=...)) for very long steps"
+            f"{', '.join(group_str(g) for g in members)} {what}; it waits on {peers}, which "
+            f"died or stalled: check that process's output{hint}"
         )
-
-    def run_recorded(self, batch_leaves: Sequence[np.ndarray]) -> list[TimelineEvent]:
-        """Run one step instruction by instruction, waiting for each to finish, and return
-        when each ran (seconds from the start). For timelines and cost measurement only:
-        it serialises the devices, so the step is slower than `run`."""
-        self._stage_batch(batch_leaves)
-        jax.block_until_ready(self.stores)
-        self.losses = []
-        events = []
-        t0 = time.perf_counter()
-        for step, (members, index) in zip(self.steps, self.step_events):
-            start = time.perf_counter() - t0
-            step()
-            jax.block_until_ready((self.stores, self.acc, self.params, self.mailbox, self.reduced))
-            end = time.perf_counter() - t0
-            ins = self.plans.plans[members[0]][index[0]]
-            if ins.op == FREE:
-                continue
-            kind = ins.pass_ if ins.op == RUN else ins.op
-            for g in members:
-                events.append(TimelineEvent(g, str(ins), kind, ins.microbatch, start, end))
-        return events
 
     def mean_loss(self, timeout_s: float) -> float:
         """The step's loss (mean over microbatches and replicas), on every process."""
         self.wait(timeout_s)
-        loss_group = next(
-            n.devices for n in self.dag.compute_nodes() if n.region == self.lifted.loss_region
-        )
+        loss_group = self.loss_group
         value = np.float32(0.0)
         if loss_group in self.local:
-            mean = jax.jit(
-                lambda xs: jnp.mean(jnp.stack(xs)),
-                out_shardings=pg.replicated(self.meshes[loss_group]),
-            )(self.losses)
+            mean = self._mean_loss_program(self.losses)
             value = np.asarray(mean.addressable_shards[0].data, np.float32)
         if jax.process_count() == 1:
             return float(value)
         source = min(d.process_index for d in self.meshes[loss_group].devices.flat)
-        out = multihost_utils.broadcast_one_to_all(value, is_source=jax.process_index() == source)
+        try:
+            out = multihost_utils.broadcast_one_to_all(
+                value, is_source=jax.process_index() == source
+            )
+        except Exception as err:
+            raise PiperError(
+                f"process {jax.process_index()}: sharing the step's loss from process "
+                f"{source} with all {jax.process_count()} processes failed ({err}); a peer "
+                "died or stalled: check the other processes' output"
+            ) from err
         return float(out)
 
     def gather_params(self) -> dict[str, np.ndarray]:
@@ -368,10 +395,10 @@ class Executor:
         sending = g in self.local
 
         def step() -> None:
-            out = transfer(store[label] if sending else None)
+            out, witness = transfer(store[label] if sending else None)
             if out is not None:
                 mailbox[key] = out
-            return out
+            return witness
 
         return step
 

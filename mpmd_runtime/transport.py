@@ -51,15 +51,22 @@ def host_to_group(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
-def make_transfer(
-    src: Mesh, dst: Mesh, avals: Sequence[Aval]
-) -> Callable[[list[jax.Array] | None], list[jax.Array] | None]:
+Transfer = Callable[[list[jax.Array] | None], tuple[list[jax.Array] | None, list[jax.Array]]]
+
+
+def make_transfer(src: Mesh, dst: Mesh, avals: Sequence[Aval]) -> Transfer:
     """A function taking the sender's stacked buffers (None where this process holds no
-    sending device) and returning the receiver's (None where it holds no receiving one)."""
+    sending device) and returning the receiver's (None where it holds no receiving one),
+    plus arrays that are ready once this process's part of the transfer is done."""
     dst_sharding = stacked(dst)
     devices = list(src.devices.flat) + list(dst.devices.flat)
     if all(is_local(d) for d in devices):
-        return lambda xs: jax.device_put(xs, dst_sharding)
+
+        def local_transfer(xs: list[jax.Array] | None) -> tuple[list[jax.Array], list]:
+            out = jax.device_put(xs, dst_sharding)
+            return out, out
+
+        return local_transfer
     width = src.size
     mesh = group_mesh(devices)
     pair_sharding = stacked(mesh)
@@ -75,7 +82,7 @@ def make_transfer(
     src_local = set(local_devices_of(src))
     dst_local = local_devices_of(dst)
 
-    def transfer(xs: list[jax.Array] | None) -> list[jax.Array] | None:
+    def transfer(xs: list[jax.Array] | None) -> tuple[list[jax.Array] | None, list]:
         inputs = []
         for k, (shape, dtype) in enumerate(avals):
             shards = shards_by_device(xs[k]) if src_local else {}
@@ -85,11 +92,12 @@ def make_transfer(
             inputs.append(from_local_shards(full, pair_sharding, shards))
         outs = program(inputs)
         if not dst_local:
-            return None
-        return [
+            return None, outs
+        received = [
             from_local_shards(tuple(shape), dst_sharding, shards_by_device(o))
             for o, (shape, _) in zip(outs, avals)
         ]
+        return received, outs
 
     return transfer
 

@@ -3,7 +3,7 @@
 from collections.abc import Sequence
 from typing import Any
 
-from piper_jax import schedules
+from piper_jax import distributed, schedules
 from piper_jax.annotate import annotate
 from piper_jax.directives import dump_directives, load_directives
 from piper_jax.directives.types import Order, Place, Recompute, Replicate, Shard, Split
@@ -11,6 +11,7 @@ from piper_jax.ir.errors import (
     AnnotationError,
     BatchError,
     DirectiveError,
+    DistributedError,
     PiperError,
     PlanError,
 )
@@ -61,11 +62,13 @@ __all__ = [
     "AnnotationError",
     "BatchError",
     "DirectiveError",
+    "DistributedError",
     "PiperError",
     "PlanError",
     "TrainStep",
     "annotate",
     "compile",
+    "distributed",
     "dump_directives",
     "load_directives",
     "order",

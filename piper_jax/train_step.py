@@ -149,8 +149,7 @@ class TrainStep:
         self._batch_treedef, self._batch_names, self._batch_size, self._parts = batch_spec
 
     def __call__(self, batch: Any) -> dict[str, float]:
-        self._executor.run(self._batch_leaves(batch))
-        return {"loss": self._executor.mean_loss(self.timeout_s)}
+        return {"loss": self._executor.step(self._batch_leaves(batch), self.timeout_s)}
 
     def _batch_leaves(self, batch: Any) -> list[np.ndarray]:
         leaves, treedef = jax.tree_util.tree_flatten(batch)

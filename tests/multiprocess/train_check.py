@@ -1,0 +1,51 @@
+"""Run by every process of a multi-process test: train a strategy for 3 steps and check
+the single-device oracle on this process. Usage: train_check.py STRATEGY"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import piper_jax.distributed as dist
+
+dist.initialize()
+
+import jax  # noqa: E402
+import optax  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import StageMLP, assert_matches_reference, mlp_batches, mlp_loss  # noqa: E402
+
+import piper_jax as piper  # noqa: E402
+from piper_jax import schedules  # noqa: E402
+
+
+def strategy(name: str) -> tuple[int, list]:
+    split = [piper.split({"PP": "*"}, num_microbatches=4)]
+    if name == "pp2_1f1b":
+        places = [piper.place({"PP": s}, [s]) for s in range(2)]
+        return 2, split + places + schedules.one_f_one_b(2, 4)
+    if name == "dp2":
+        return 2, [piper.replicate({"PP": "*"}, [0, 1])]
+    if name == "pp2_dp2_1f1b":  # stage s on devices [s, s + 2]: each group spans both processes
+        groups = [[s, s + 2] for s in range(2)]
+        places = [piper.place({"PP": s}, g) for s, g in enumerate(groups)]
+        reps = [piper.replicate({"PP": s}, g) for s, g in enumerate(groups)]
+        return 2, split + places + reps + schedules.one_f_one_b(2, 4)
+    if name == "dualpipev2":  # rank r holds stages r and 3 - r
+        places = [piper.place({"PP": s}, [min(s, 3 - s)]) for s in range(4)]
+        return 4, split + places + schedules.dualpipev(2, 4)
+    raise SystemExit(f"unknown strategy {name}")
+
+
+def main() -> None:
+    num_stages, directives = strategy(sys.argv[1])
+    opt = optax.adam(1e-2)
+    batches = mlp_batches(3)
+    step = piper.compile(mlp_loss, StageMLP(num_stages), opt, batches[0], directives)
+    assert_matches_reference(step, mlp_loss, lambda: StageMLP(num_stages), opt, batches)
+    print(f"ORACLE OK process {jax.process_index()} of {jax.process_count()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
