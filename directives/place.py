@@ -51,11 +51,7 @@ def apply_place(dag: TrainingDAG, directive: Place, num_devices: int) -> Trainin
 def apply_replicate(dag: TrainingDAG, directive: Replicate, num_devices: int) -> TrainingDAG:
     where = "replicate"
     _check_range(directive.devices, num_devices, where)
-    if directive.shard_grads or directive.shard_params:
-        raise DirectiveError(
-            f"replicate {filter_str(directive.filter)}: shard_grads/shard_params (ZeRO) are "
-            "not supported yet; use plain replicate (shard_grads=False, shard_params=False)"
-        )
+    stage = 3 if directive.shard_params else 2 if directive.shard_grads else 0
     dag = dag.copy()
     for node in _matched(dag, directive, where):
         if node.devices and node.devices != directive.devices:
@@ -64,7 +60,9 @@ def apply_replicate(dag: TrainingDAG, directive: Replicate, num_devices: int) ->
                 f"{list(node.devices)} but replicated over {list(directive.devices)}; "
                 "use the same devices in both"
             )
-        dag.replace(dataclasses.replace(node, devices=directive.devices, replicated=True))
+        dag.replace(
+            dataclasses.replace(node, devices=directive.devices, replicated=True, zero=stage)
+        )
     return dag
 
 
@@ -89,6 +87,19 @@ def check_placement(dag: TrainingDAG, placed: bool) -> TrainingDAG:
                 f"replicate({dict(n.region_tags)}, devices={list(n.devices)})"
             )
     groups = sorted({n.devices for n in nodes})
+    for g in groups:
+        stages = {n.zero for n in nodes if n.devices == g}
+        if len(stages) > 1:
+            raise DirectiveError(
+                f"device group {list(g)} mixes ZeRO settings {sorted(stages)}: replicate "
+                "every region on one group with the same shard_grads/shard_params"
+            )
+    for n in nodes:
+        if n.zero == 3 and (n.recompute or n.pass_ in ("BI", "BW")):
+            raise DirectiveError(
+                f"region {dict(n.region_tags)}: shard_params (ZeRO-3) together with "
+                "recompute or a BI/BW schedule is not supported yet"
+            )
     for i, a in enumerate(groups):
         for b in groups[i + 1 :]:
             if set(a) & set(b):

@@ -68,6 +68,7 @@ def attach_updates(dag: TrainingDAG, lifted: LiftedLoss, stream: str = "dp") -> 
             dag.remove_node(n.uid)
     groups = region_groups(dag)
     replicated = {n.region: n.replicated for n in dag.compute_nodes()}
+    zero = {n.region: n.zero for n in dag.compute_nodes()}
     grad_nodes: dict[int, list[int]] = {}
     for n in dag.compute_nodes():
         if n.pass_ in WEIGHT_GRAD_PASSES:
@@ -94,6 +95,7 @@ def attach_updates(dag: TrainingDAG, lifted: LiftedLoss, stream: str = "dp") -> 
                 devices=groups[r],
                 replicated=replicated[r],
                 params=owned,
+                zero=zero[r],
             )
         )
         for p in owned:
@@ -105,7 +107,16 @@ def attach_updates(dag: TrainingDAG, lifted: LiftedLoss, stream: str = "dp") -> 
         by_union.setdefault(union, []).append(p)
     for union, params in by_union.items():
         ar = None
-        if len(union) > 1:
+        user_groups = {groups[r] for p in params for r in users[p]}
+        stages = {zero[r] for p in params for r in users[p]}
+        if len(stages) > 1:
+            raise DirectiveError(
+                f"parameters {[lifted.param_names[p] for p in params][:3]} are shared by "
+                "regions with different ZeRO settings; replicate them the same way"
+            )
+        # ZeRO groups reduce-scatter inside each backward; only ties across groups remain
+        needs_reduce = len(user_groups) > 1 if stages == {2} or stages == {3} else len(union) > 1
+        if needs_reduce:
             ar = dag.add(
                 Node(
                     dag.new_uid(),
@@ -113,6 +124,7 @@ def attach_updates(dag: TrainingDAG, lifted: LiftedLoss, stream: str = "dp") -> 
                     devices=union,
                     stream=stream,
                     params=tuple(params),
+                    zero=next(iter(stages)),
                 )
             )
         for p in params:

@@ -52,6 +52,8 @@ class Node:
       peer: the other side's device group of a SEND (destination) or RECV (source).
       carries: uid of the compute node whose output a SEND/RECV moves.
       recompute: the region's forward is run again inside its backward (`recompute`).
+      zero: 0, or the ZeRO stage of a replicated group: 2 (`shard_grads`) or 3
+        (`shard_params`); see Note [ZeRO in piper-jax].
       overlap: nodes sharing an id were named in one order group: they run as one unit,
         back to back, once all of them have their inputs (see directives/order.py).
     """
@@ -70,6 +72,7 @@ class Node:
     carries: int | None = None
     recompute: bool = False
     overlap: int | None = None
+    zero: int = 0
 
     @property
     def tags(self) -> dict[str, int | str]:

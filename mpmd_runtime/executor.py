@@ -22,6 +22,7 @@ from piper_jax.ir.dag import Node, NodeKind, TrainingDAG, group_str
 from piper_jax.ir.errors import PiperError
 from piper_jax.ir.lift import LiftedLoss, Region
 from piper_jax.mpmd_runtime import programs as pg
+from piper_jax.mpmd_runtime import zero
 from piper_jax.mpmd_runtime.instructions import ALL_REDUCE, FREE, RECV, RUN, SEND, UPD
 from piper_jax.mpmd_runtime.plans import Group, Plans
 from piper_jax.mpmd_runtime.transport import (
@@ -63,19 +64,23 @@ class Executor:
             name: (tuple(np.shape(v)), np.asarray(v).dtype)
             for name, v in zip(lifted.param_names, init_params)
         }
+        self.devices = list(devices)
+        self.zero = {n.devices: n.zero for n in dag.compute_nodes()}
         self.params: dict[Group, dict[str, jax.Array]] = {g: {} for g in self.groups}
         for node in self.upd_nodes:
-            sharding = pg.replicated(self.meshes[node.devices])
+            g = node.devices
             for p in node.params:
-                value = host_to_group(init_params[p], sharding)
-                self.params[node.devices][lifted.param_names[p]] = value
-        self.opt_state = {
-            node.uid: jax.jit(
-                optimizer.init, out_shardings=pg.replicated(self.meshes[node.devices])
-            )(self._subset(node.devices, node.params))
-            for node in self.upd_nodes
-        }
-        self.acc = {g: pg.zeros_program(self.meshes[g])(self.params[g]) for g in self.local}
+                self.params[g][lifted.param_names[p]] = self._place_param(g, init_params[p])
+        self.opt_state = {}
+        for node in self.upd_nodes:
+            g, mesh = node.devices, self.meshes[node.devices]
+            init = (
+                zero.init_program(optimizer, mesh, self.zero[g])
+                if self.zero[g]
+                else jax.jit(optimizer.init, out_shardings=pg.replicated(mesh))
+            )
+            self.opt_state[node.uid] = init(self._subset(g, node.params))
+        self.acc = {g: self._zero_accumulators(g) for g in self.local}
         self.reduced: dict[Group, dict[str, jax.Array]] = {g: {} for g in self.groups}
         self.stores: dict[Group, dict[str, Any]] = {g: {} for g in self.groups}
         self.mailbox: dict[tuple[str, Group], Any] = {}
@@ -93,12 +98,23 @@ class Executor:
         self.cotangent_pass = {r: "BI" if m == "split" else "B" for r, m in modes.items()}
         self._programs = {
             (region.index, g): pg.RegionPrograms(
-                region, lifted, self.meshes[g], loss_seed, modes.get(region.index, "plain")
+                region,
+                lifted,
+                self.meshes[g],
+                loss_seed,
+                modes.get(region.index, "plain"),
+                self.zero[g],
             )
             for g in self.local
             for region in self._regions_on(g)
         }
-        self._update = {g: pg.update_program(optimizer, self.meshes[g]) for g in self.local}
+        shapes = {n: shape for n, (shape, _) in self.param_avals.items()}
+        self._update = {
+            g: zero.update_program(optimizer, self.meshes[g], self.zero[g], shapes)
+            if self.zero[g]
+            else pg.update_program(optimizer, self.meshes[g])
+            for g in self.local
+        }
         self.loss_group = next(
             n.devices for n in dag.compute_nodes() if n.region == lifted.loss_region
         )
@@ -111,6 +127,69 @@ class Executor:
         events = [(m, i) for m, i in plans.order if self._takes_part(m, i)]
         self.steps: list[Step] = [self._bind(members, index) for members, index in events]
         self.step_events = events
+
+    def _place_param(self, g: Group, value: Any) -> jax.Array:
+        """A parameter's initial value on group g: replicated, or as ZeRO-3 shards."""
+        if self.zero[g] == 3:
+            return host_to_group(
+                zero.to_shards(np.asarray(value), len(g)), pg.stacked(self.meshes[g])
+            )
+        return host_to_group(value, pg.replicated(self.meshes[g]))
+
+    def _zero_accumulators(self, g: Group) -> dict[str, jax.Array]:
+        """Per-replica gradient accumulators: full, or the owned shard under ZeRO."""
+        out = {}
+        for name in self.params[g]:
+            shape, dtype = self.param_avals[name]
+            rows = (len(g), zero.shard_len(shape, len(g))) if self.zero[g] else (len(g),) + shape
+            out[name] = host_to_group(np.zeros(rows, dtype), pg.stacked(self.meshes[g]))
+        return out
+
+    def host_param(self, g: Group, name: str) -> np.ndarray:
+        """One parameter's full value on this host, read from group g."""
+        value = self.params[g][name]
+        if self.zero[g] == 3:
+            full = jax.jit(lambda x: x, out_shardings=pg.replicated(self.meshes[g]))(value)
+            rows = np.asarray(full.addressable_shards[0].data)
+            return zero.from_shards(rows, self.param_avals[name][0])
+        return np.asarray(value.addressable_shards[0].data)
+
+    def memory(self) -> dict[int, dict[str, int]]:
+        """Bytes per local device (index into the step's devices) held in parameters,
+        gradient accumulators and optimizer state between steps."""
+        index = {d: i for i, d in enumerate(self.devices)}
+        out: dict[int, dict[str, int]] = {}
+        kinds = {
+            "params": [a for g in self.local for a in self.params[g].values()],
+            "grads": [a for g in self.local for a in self.acc[g].values()],
+            "opt_state": jax.tree.leaves(list(self.opt_state.values())),
+        }
+        for kind, arrays in kinds.items():
+            for array in arrays:
+                for shard in array.addressable_shards:
+                    row = out.setdefault(index[shard.device], dict.fromkeys(kinds, 0))
+                    row[kind] += shard.data.nbytes
+        return out
+
+    def residual_bytes(self, g: Group) -> int:
+        """Per device of g: bytes of the largest residual set one F of g leaves for its
+        backward (its VJP residuals, or its inputs under recompute)."""
+        if g not in self.local:
+            return 0
+        best = 0
+        for region in self._regions_on(g):
+            programs = self._programs[(region.index, g)]
+            n_p, n_b = len(region.param_ids), len(region.batch_ids)
+            shapes = [jax.ShapeDtypeStruct(s, d) for s, d in region.in_shapes]
+            stacked = [jax.ShapeDtypeStruct((len(g),) + s.shape, s.dtype) for s in shapes]
+            params = [self.params[g][self.lifted.param_names[p]] for p in region.param_ids]
+            _, res = jax.eval_shape(
+                programs.forward, params, stacked[n_p : n_p + n_b], stacked[n_p + n_b :]
+            )
+            if programs.mode == "recompute":
+                res = stacked[n_p:]
+            best = max(best, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(res)))
+        return best // len(g)
 
     def _regions_on(self, group: Group) -> list[Region]:
         regions = {n.region for n in self.dag.compute_nodes() if n.devices == group}
@@ -240,7 +319,7 @@ class Executor:
             names = [n for n, (p, _) in owner.items() if p == process]
             mine = jax.process_index() == process
             values = {
-                n: np.asarray(self.params[owner[n][1]][n].addressable_shards[0].data)
+                n: self.host_param(owner[n][1], n)
                 if mine
                 else np.zeros(self._param_shape(n), self._param_dtype(n))
                 for n in names
@@ -333,6 +412,7 @@ class Executor:
         cot_inputs = self._cotangent_inputs(region, mb)
         label, res = f"B{r}.{mb}", f"R{r}.{mb}"
         recompute = programs.mode == "recompute"
+        gathered = programs.zero == 3
 
         def step() -> None:
             cots = {c: store[k] for c, k in cot_inputs}
@@ -341,6 +421,10 @@ class Executor:
                 batch, acts = store.pop(res)
                 g_acts, new_acc = programs.backward(
                     [params[n] for n in names], batch, acts, cots, grads
+                )
+            elif gathered:
+                g_acts, new_acc = programs.backward(
+                    [params[n] for n in names], store.pop(res), cots, grads
                 )
             else:
                 g_acts, new_acc = programs.backward(store.pop(res), cots, grads)
@@ -411,14 +495,21 @@ class Executor:
         return step
 
     def _bind_all_reduce(self, node: Node, members: tuple[Group, ...]) -> Step:
+        """Sum gradients over the member groups' devices. Full accumulators sum over every
+        device into replicated gradients; ZeRO shards (already summed over each group's
+        replicas) sum over groups, shard by shard, and stay sharded."""
         names = [self.lifted.param_names[p] for p in node.params]
         union = [d for g in members for d in self.meshes[g].devices.flat]
         mesh = pg.group_mesh(union)
-        program = pg.all_reduce_program(mesh)
+        width = len(members[0])
+        program = pg.all_reduce_program(mesh, groups=len(members) if node.zero else None)
         in_sharding = pg.stacked(mesh)
         local_members = [g for g in members if g in self.local]
 
-        def step() -> None:
+        def out_sharding(g: Group) -> Any:
+            return pg.stacked(self.meshes[g]) if node.zero else pg.replicated(self.meshes[g])
+
+        def step() -> list:
             xs = []
             for n in names:
                 shards = {}
@@ -430,11 +521,10 @@ class Executor:
             for n, total in zip(names, totals):
                 shards = shards_by_device(total)
                 for g in local_members:
-                    self.reduced[g][n] = from_local_shards(
-                        total.shape, pg.replicated(self.meshes[g]), shards
-                    )
+                    self.reduced[g][n] = from_local_shards(total.shape, out_sharding(g), shards)
             return totals
 
+        assert not node.zero or all(len(g) == width for g in members)
         return step
 
     def _bind_update(self, g: Group, node: Node) -> Step:

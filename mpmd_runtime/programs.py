@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from piper_jax.ir.backward_split import split_backward
 from piper_jax.ir.lift import LiftedLoss, Region
+from piper_jax.mpmd_runtime import zero
 
 AXIS = "r"
 
@@ -74,20 +75,38 @@ class RegionPrograms:
 
     Modes: "plain" (F keeps the VJP residuals, B applies them), "recompute" (F keeps
     nothing; B runs the forward again from the region's inputs), "split" (B is cut into
-    BI and BW, see Note [why BW runs after BI, and reuses it]).
+    BI and BW, see Note [why BW runs after BI, and reuses it]). `zero` is 0, 2 or 3:
+    see Note [ZeRO in piper-jax] for how gradients and parameters are sharded; with
+    zero=3 the backward takes the parameter shards as an extra first argument.
     """
 
     def __init__(
-        self, region: Region, lifted: LiftedLoss, mesh: Mesh, loss_seed: float, mode: str = "plain"
+        self,
+        region: Region,
+        lifted: LiftedLoss,
+        mesh: Mesh,
+        loss_seed: float,
+        mode: str = "plain",
+        zero: int = 0,
     ):
         self.region, self.lifted, self.mesh, self.mode = region, lifted, mesh, mode
-        self.loss_seed = loss_seed
+        self.loss_seed, self.zero = loss_seed, zero
+        self.param_shapes = [s for s, _ in region.in_shapes[: len(region.param_ids)]]
+        self._residual_layout: tuple[Any, dict[int, int], int] | None = None
         self.float_in = [
             lifted.regions[a.region].out_is_float(a.position) for a in region.act_inputs
         ]
         self.float_out = [region.out_is_float(i) for i in range(len(region.out_shapes))]
         self.sources = cotangent_sources(lifted, region)
         stacked3 = (P(AXIS), P(AXIS), P(AXIS))
+        if zero == 3:
+            assert mode == "plain", "ZeRO-3 regions are refused with recompute/BI-BW upstream"
+            self.forward = jax.jit(_shard(self._forward, mesh, stacked3, P(AXIS)))
+            self.backward = jax.jit(
+                _shard(self._backward_gathered, mesh, stacked3 + (P(AXIS),), (P(AXIS), P(AXIS))),
+                donate_argnums=(3,),
+            )
+            return
         if mode == "recompute":
             self.forward = jax.jit(
                 _shard(self._forward_only, mesh, (P(), P(AXIS), P(AXIS)), P(AXIS))
@@ -148,22 +167,48 @@ class RegionPrograms:
         return seeds
 
     def _forward(self, params: list, batch: list, acts: list) -> tuple:
-        outs, vjp = self._linearize(params, _unstack(batch), _unstack(acts))
-        return _stack(outs), _stack(vjp)
+        if self.zero != 3:
+            outs, vjp = self._linearize(params, _unstack(batch), _unstack(acts))
+            return _stack(outs), _stack(vjp)
+        full = [zero.gather_local(p, s) for p, s in zip(params, self.param_shapes)]
+        outs, vjp = self._linearize(full, _unstack(batch), _unstack(acts))
+        leaves, treedef = jax.tree.flatten(vjp)
+        slots = {j: i for j, leaf in enumerate(leaves) for i, f in enumerate(full) if leaf is f}
+        self._residual_layout = (treedef, slots, len(leaves))
+        kept = [leaf for j, leaf in enumerate(leaves) if j not in slots]
+        return _stack(outs), _stack(kept)
+
+    def _backward_gathered(self, params: list, kept: list, cots: dict, acc: list) -> tuple:
+        """ZeRO-3 backward: regather the parameters F dropped from its residuals."""
+        assert self._residual_layout is not None, "F runs (and is traced) before B"
+        treedef, slots, n = self._residual_layout
+        full = [zero.gather_local(p, s) for p, s in zip(params, self.param_shapes)]
+        rest = iter(_unstack(kept))
+        leaves = [full[slots[j]] if j in slots else next(rest) for j in range(n)]
+        g_params, g_acts = jax.tree.unflatten(treedef, leaves)(self._seeds(_unstack(cots)))
+        return _stack(list(g_acts)), self._accumulate(acc, g_params)
+
+    def _accumulate(self, acc: list, grads: Sequence[Any]) -> list:
+        if self.zero:
+            return [
+                a + zero.scatter_local(g.astype(a.dtype), self.mesh.size)
+                for a, g in zip(acc, grads)
+            ]
+        return _accumulate(acc, grads)
 
     def _forward_only(self, params: list, batch: list, acts: list) -> list:
         return _stack(self.region.fn(params, _unstack(batch), _unstack(acts)))
 
     def _backward(self, vjp: Any, cots: dict, acc: list) -> tuple:
         g_params, g_acts = _unstack(vjp)(self._seeds(_unstack(cots)))
-        return _stack(list(g_acts)), _accumulate(acc, g_params)
+        return _stack(list(g_acts)), self._accumulate(acc, g_params)
 
     def _recompute_backward(
         self, params: list, batch: list, acts: list, cots: dict, acc: list
     ) -> tuple:
         _, vjp = self._linearize(params, _unstack(batch), _unstack(acts))
         g_params, g_acts = vjp(self._seeds(_unstack(cots)))
-        return _stack(list(g_acts)), _accumulate(acc, g_params)
+        return _stack(list(g_acts)), self._accumulate(acc, g_params)
 
     def _split_backward(self) -> tuple[Callable, Callable]:
         shapes = [jax.ShapeDtypeStruct(s, d) for s, d in self.region.in_shapes]
@@ -188,12 +233,24 @@ class RegionPrograms:
 
     def _backward_weight(self, vjp: Any, cross: list, acc: list) -> list:
         g_params = self._bw(*jax.tree.leaves(_unstack(vjp)), *_unstack(cross))
-        return _accumulate(acc, g_params)
+        return self._accumulate(acc, g_params)
 
 
-def all_reduce_program(mesh: Mesh) -> Callable:
-    """Sum per-device gradients over the mesh; the result is replicated on every member."""
-    return jax.jit(lambda xs: [x.sum(0) for x in xs], out_shardings=replicated(mesh))
+def all_reduce_program(mesh: Mesh, groups: int | None = None) -> Callable:
+    """Sum per-device gradients stacked over `mesh`'s devices.
+
+    With `groups` None every device's value is summed and the result is replicated; with
+    `groups` = G the devices are G equal groups of ZeRO shards, summed over groups row by
+    row, and device i of every group keeps row i.
+    """
+    if groups is None:
+        return jax.jit(lambda xs: [x.sum(0) for x in xs], out_shardings=replicated(mesh))
+    width = mesh.size // groups
+    grid = Mesh(mesh.devices.reshape(groups, width), ("g", AXIS))
+    return jax.jit(
+        lambda xs: [x.reshape((groups, width) + x.shape[1:]).sum(0) for x in xs],
+        out_shardings=NamedSharding(grid, P(AXIS)),
+    )
 
 
 def update_program(optimizer: optax.GradientTransformation, mesh: Mesh) -> Callable:

@@ -208,6 +208,20 @@ class TrainStep:
             unit, title = 1e6, "measured (instrumented, devices serialised)"
         write_timeline(events, path, title=title, time_unit_us=unit)
 
+    def memory(self) -> dict[int, dict[str, int]]:
+        """Bytes per device (index into the step's devices) of this process: parameters,
+        gradient accumulators and optimizer state as held between steps, and an estimate of
+        peak activations: the plans' peak live (region, microbatch) residual sets (a
+        unit-cost simulation) times the bytes of the largest such set on that device."""
+        table = self._executor.memory()
+        peaks = self.simulate().peak_activations
+        for g, peak in peaks.items():
+            per_set = self._executor.residual_bytes(g)
+            for d in g:
+                if d in table:
+                    table[d]["activations"] = peak * per_set
+        return table
+
     def explain(self) -> str:
         """Regions, their placement, and each device group's instruction list."""
         groups = {n.region: n.devices for n in self.dag.compute_nodes()}

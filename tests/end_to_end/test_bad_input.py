@@ -95,9 +95,10 @@ def test_schedule_with_too_few_stages_placed() -> None:
         )
 
 
-def test_zero_flags_refused_until_supported() -> None:
-    with pytest.raises(piper.DirectiveError, match="shard_grads/shard_params.*not supported"):
-        compile_mlp([piper.replicate({"PP": "*"}, [0, 1], shard_grads=True)])
+def test_mixed_zero_settings_on_one_group_refused() -> None:
+    with pytest.raises(piper.DirectiveError, match="mixes ZeRO settings"):
+        compile_mlp([piper.replicate({"PP": 0}, [0, 1], shard_grads=True),
+                     piper.replicate({"PP": 1}, [0, 1])])
 
 
 def test_coupled_optimizer_refused_across_groups() -> None:

@@ -1,0 +1,70 @@
+"""ZeRO-2/3 (replicate with shard_grads / shard_params) against the single-device oracle,
+and the memory each saves (see Note [ZeRO in piper-jax])."""
+
+from __future__ import annotations
+
+import optax
+import pytest
+from helpers import StageMLP, assert_matches_reference, mlp_batches, mlp_loss
+
+import piper_jax as piper
+from piper_jax import schedules
+
+OPT = optax.adamw(optax.linear_schedule(1e-2, 1e-3, 3), weight_decay=0.1)
+ZERO = {"zero2": {"shard_grads": True}, "zero3": {"shard_params": True}}
+
+
+def dp4(flags: dict) -> list:
+    return [
+        piper.split({"PP": "*"}, num_microbatches=2),
+        piper.replicate({"PP": "*"}, [0, 1, 2, 3], **flags),
+    ]
+
+
+def pp2_dp2(flags: dict) -> list:
+    directives = [piper.split({"PP": "*"}, num_microbatches=2)]
+    for s in range(2):  # the tied embedding is shared by both stages: a cross-group sum
+        directives += [
+            piper.place({"PP": s}, [s, s + 2]),
+            piper.replicate({"PP": s}, [s, s + 2], **flags),
+        ]
+    return directives + schedules.one_f_one_b(2, 2)
+
+
+@pytest.mark.parametrize("layout", [dp4, pp2_dp2])
+@pytest.mark.parametrize("stage", sorted(ZERO))
+def test_zero_matches_single_device(stage: str, layout) -> None:
+    batches = mlp_batches(3)
+    step = piper.compile(mlp_loss, StageMLP(2), OPT, batches[0], layout(ZERO[stage]))
+    assert_matches_reference(step, mlp_loss, lambda: StageMLP(2), OPT, batches)
+
+
+def memory(flags: dict) -> dict[str, int]:
+    step = piper.compile(
+        mlp_loss, StageMLP(2, width=64), optax.adam(1e-3), mlp_batches(1)[0], dp4(flags)
+    )
+    table = step.memory()
+    assert sorted(table) == [0, 1, 2, 3]
+    return table[0]
+
+
+def test_zero_memory_per_device() -> None:
+    dp, zero2, zero3 = memory({}), memory(ZERO["zero2"]), memory(ZERO["zero3"])
+    small = 1024  # padding to a multiple of 4 and optimizer step counters
+    assert zero2["grads"] <= dp["grads"] / 4 + small
+    assert zero2["opt_state"] <= dp["opt_state"] / 4 + small
+    assert zero2["params"] == dp["params"]
+    assert zero3["params"] + zero3["opt_state"] <= (dp["params"] + dp["opt_state"]) / 4 + small
+    assert zero3["grads"] <= dp["grads"] / 4 + small
+    assert zero3["activations"] < dp["activations"]  # no gathered weight kept as residual
+
+
+def test_zero3_with_recompute_is_refused() -> None:
+    with pytest.raises(piper.DirectiveError, match="shard_params.*recompute"):
+        piper.compile(
+            mlp_loss,
+            StageMLP(2),
+            OPT,
+            mlp_batches(1)[0],
+            dp4(ZERO["zero3"]) + [piper.recompute({"PP": 0})],
+        )
