@@ -57,15 +57,18 @@ def region_groups(dag: TrainingDAG) -> dict[int, tuple[int, ...]]:
     return groups
 
 
-def attach_updates(dag: TrainingDAG, lifted: LiftedLoss, stream: str = "dp") -> TrainingDAG:
+def attach_updates(
+    dag: TrainingDAG, lifted: LiftedLoss, stream: str = "dp", global_norm: bool = False
+) -> TrainingDAG:
     """Replace UPD and gradient ALL_REDUCE nodes to fit the current placement.
 
-    See Note [parameter groups and tied weights].
+    See Note [parameter groups and tied weights]. With `global_norm`, one more
+    ALL_REDUCE (with no parameters) sums the squared gradient norms of every group
+    before any update, for optimizers that clip by the global norm.
     """
     dag = dag.copy()
     for n in list(dag.of_kind(NodeKind.UPD, NodeKind.ALL_REDUCE)):
-        if n.params:
-            dag.remove_node(n.uid)
+        dag.remove_node(n.uid)
     groups = region_groups(dag)
     replicated = {n.region: n.replicated for n in dag.compute_nodes()}
     zero = {n.region: n.zero for n in dag.compute_nodes()}
@@ -134,4 +137,16 @@ def attach_updates(dag: TrainingDAG, lifted: LiftedLoss, stream: str = "dp") -> 
             if ar:
                 for r in users[p]:
                     dag.connect(ar.uid, upd_of[(p, groups[r])])
+    if global_norm:
+        everything = tuple(dict.fromkeys(d for g in sorted(set(groups.values())) for d in g))
+        norm = dag.add(Node(dag.new_uid(), NodeKind.ALL_REDUCE, devices=everything, stream=stream))
+        for n in list(dag.nodes.values()):
+            if n.kind is NodeKind.UPD:
+                dag.connect(norm.uid, n.uid)
+            elif (
+                n.kind is NodeKind.ALL_REDUCE
+                and n.uid != norm.uid
+                or (n.kind is NodeKind.COMPUTE and n.pass_ in WEIGHT_GRAD_PASSES)
+            ):
+                dag.connect(n.uid, norm.uid)
     return dag

@@ -50,8 +50,10 @@ class Executor:
         devices: Sequence[jax.Device],
         init_params: Sequence[Any],
         num_microbatches: int,
+        global_norm: bool = False,
     ):
         self.dag, self.plans, self.lifted = dag, plans, lifted
+        self.global_norm = global_norm
         self.groups: list[Group] = sorted(plans.plans)
         self.meshes = {g: pg.group_mesh([devices[i] for i in g]) for g in self.groups}
         self.local = {
@@ -75,12 +77,21 @@ class Executor:
         for node in self.upd_nodes:
             g, mesh = node.devices, self.meshes[node.devices]
             init = (
-                zero.init_program(optimizer, mesh, self.zero[g])
+                zero.init_program(optimizer, mesh, self.zero[g], global_norm)
                 if self.zero[g]
-                else jax.jit(optimizer.init, out_shardings=pg.replicated(mesh))
+                else pg.init_program(optimizer, mesh, global_norm)
             )
             self.opt_state[node.uid] = init(self._subset(g, node.params))
         self.acc = {g: self._zero_accumulators(g) for g in self.local}
+        self.norm_total: dict[Group, jax.Array] = {}
+        self.norm_params: dict[Group, list[str]] = {g: [] for g in self.groups}
+        counted: set[str] = set()
+        for node in dag.of_kind(NodeKind.UPD):  # each parameter counts once in the norm
+            for p in node.params:
+                name = lifted.param_names[p]
+                if name not in counted:
+                    counted.add(name)
+                    self.norm_params[node.devices].append(name)
         self.reduced: dict[Group, dict[str, jax.Array]] = {g: {} for g in self.groups}
         self.stores: dict[Group, dict[str, Any]] = {g: {} for g in self.groups}
         self.mailbox: dict[tuple[str, Group], Any] = {}
@@ -110,9 +121,9 @@ class Executor:
         }
         shapes = {n: shape for n, (shape, _) in self.param_avals.items()}
         self._update = {
-            g: zero.update_program(optimizer, self.meshes[g], self.zero[g], shapes)
+            g: zero.update_program(optimizer, self.meshes[g], self.zero[g], shapes, global_norm)
             if self.zero[g]
-            else pg.update_program(optimizer, self.meshes[g])
+            else pg.update_program(optimizer, self.meshes[g], global_norm)
             for g in self.local
         }
         self.loss_group = next(
@@ -364,6 +375,8 @@ class Executor:
             return self._bind_send(g, ins.buffer(), ins.peer)
         if ins.op == RECV:
             return self._bind_recv(g, ins.buffer())
+        if ins.op == ALL_REDUCE and not self.dag.nodes[uid].params:
+            return self._bind_norm(members)
         if ins.op == ALL_REDUCE:
             return self._bind_all_reduce(self.dag.nodes[uid], members)
         if ins.op == UPD:
@@ -527,15 +540,41 @@ class Executor:
         assert not node.zero or all(len(g) == width for g in members)
         return step
 
+    def _bind_norm(self, members: tuple[Group, ...]) -> Step:
+        """The global squared gradient norm, on every group (see global_norm.py)."""
+        union = [d for g in members for d in self.meshes[g].devices.flat]
+        mesh = pg.group_mesh(union)
+        program, in_sharding = pg.all_reduce_program(mesh), pg.stacked(mesh)
+        local_members = [g for g in members if g in self.local]
+        partial = {g: pg.square_norm_program(self.meshes[g]) for g in local_members}
+
+        def grads_of(g: Group) -> list:
+            return [self.reduced[g].get(n, self.acc[g][n]) for n in self.norm_params[g]]
+
+        def step() -> list:
+            shards = {}
+            for g in local_members:
+                shards.update(shards_by_device(partial[g](grads_of(g))))
+            (total,) = program([from_local_shards((len(union),), in_sharding, shards)])
+            for g in local_members:
+                self.norm_total[g] = from_local_shards(
+                    (), pg.replicated(self.meshes[g]), shards_by_device(total)
+                )
+            return [total]
+
+        return step
+
     def _bind_update(self, g: Group, node: Node) -> Step:
         names = [self.lifted.param_names[p] for p in node.params]
         program, params, acc = self._update[g], self.params[g], self.acc[g]
         reduced, opt_state, uid = self.reduced[g], self.opt_state, node.uid
+        norm_total, global_norm = self.norm_total, self.global_norm
 
         def step() -> None:
             grads = {n: reduced.pop(n) if n in reduced else acc[n] for n in names}
+            extra = (norm_total[g],) if global_norm else ()
             new_params, opt_state[uid], zeros = program(
-                {n: params[n] for n in names}, grads, opt_state[uid]
+                {n: params[n] for n in names}, grads, opt_state[uid], *extra
             )
             params.update(new_params)
             acc.update(zeros)

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from piper_jax.ir.backward_split import split_backward
 from piper_jax.ir.lift import LiftedLoss, Region
 from piper_jax.mpmd_runtime import zero
+from piper_jax.mpmd_runtime.global_norm import CARRIER, square_norm, with_carrier
 
 AXIS = "r"
 
@@ -253,14 +254,20 @@ def all_reduce_program(mesh: Mesh, groups: int | None = None) -> Callable:
     )
 
 
-def update_program(optimizer: optax.GradientTransformation, mesh: Mesh) -> Callable:
-    """(params, grads, opt_state) -> (params, opt_state, fresh zero accumulators)."""
+def update_program(
+    optimizer: optax.GradientTransformation, mesh: Mesh, carrier: bool = False
+) -> Callable:
+    """(params, grads, opt_state[, total squared norm]) -> (params, opt_state, zero
+    accumulators)."""
 
-    def update(params: dict, grads: dict, state: Any) -> tuple:
+    def update(params: dict, grads: dict, state: Any, total_sq: Any = None) -> tuple:
         grads = {k: g[0] if g.ndim == params[k].ndim + 1 else g for k, g in grads.items()}
         grads = {k: g.astype(params[k].dtype) for k, g in grads.items()}
+        if carrier:
+            params, grads = with_carrier(params, grads, total_sq)
         updates, state = optimizer.update(grads, state, params)
         params = optax.apply_updates(params, updates)
+        params.pop(CARRIER, None)
         return params, state, _zeros_like_stacked(params, mesh.size)
 
     return jax.jit(
@@ -268,6 +275,27 @@ def update_program(optimizer: optax.GradientTransformation, mesh: Mesh) -> Calla
         donate_argnums=(0, 2),
         out_shardings=(replicated(mesh), replicated(mesh), stacked(mesh)),
     )
+
+
+def init_program(
+    optimizer: optax.GradientTransformation, mesh: Mesh, carrier: bool = False
+) -> Callable:
+    def init(params: dict) -> Any:
+        if carrier:
+            params = {**params, CARRIER: jnp.zeros((), jnp.float32)}
+        return optimizer.init(params)
+
+    return jax.jit(init, out_shardings=replicated(mesh))
+
+
+def square_norm_program(mesh: Mesh) -> Callable:
+    """A group's summed squared gradients, spread evenly over its devices (R,) so that a
+    sum over the devices of several groups gives the global squared norm."""
+
+    def partial_sums(grads: list) -> jax.Array:
+        return jnp.full((mesh.size,), square_norm(grads) / mesh.size)
+
+    return jax.jit(partial_sums, out_shardings=stacked(mesh))
 
 
 def zeros_program(mesh: Mesh) -> Callable:

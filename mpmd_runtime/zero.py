@@ -28,6 +28,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from piper_jax.mpmd_runtime.global_norm import CARRIER, with_carrier
 
 AXIS = "r"
 Shape = tuple[int, ...]
@@ -66,7 +67,9 @@ def _own_shard(full: jax.Array, replicas: int) -> jax.Array:
     return jax.lax.dynamic_index_in_dim(rows, jax.lax.axis_index(AXIS), keepdims=False)
 
 
-def init_program(optimizer: optax.GradientTransformation, mesh: Mesh, stage: int) -> Callable:
+def init_program(
+    optimizer: optax.GradientTransformation, mesh: Mesh, stage: int, carrier: bool = False
+) -> Callable:
     """Optimizer state of the owned shards, stacked over replicas."""
     replicas = mesh.size
 
@@ -75,6 +78,8 @@ def init_program(optimizer: optax.GradientTransformation, mesh: Mesh, stage: int
             shards = {n: p[0] for n, p in params.items()}
         else:
             shards = {n: _own_shard(p, replicas) for n, p in params.items()}
+        if carrier:
+            shards[CARRIER] = jnp.zeros((), jnp.float32)
         return jax.tree.map(lambda x: jnp.expand_dims(x, 0), optimizer.init(shards))
 
     in_spec = P(AXIS) if stage == 3 else P()
@@ -84,20 +89,28 @@ def init_program(optimizer: optax.GradientTransformation, mesh: Mesh, stage: int
 
 
 def update_program(
-    optimizer: optax.GradientTransformation, mesh: Mesh, stage: int, shapes: dict[str, Shape]
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    stage: int,
+    shapes: dict[str, Shape],
+    carrier: bool = False,
 ) -> Callable:
-    """(params, grad shards, state) -> (params, state, zero accumulators), sharded."""
+    """(params, grad shards, state[, total squared norm]) -> (params, state, zero
+    accumulators), sharded; each replica's update sees its own shards (and the carrier)."""
     replicas = mesh.size
 
-    def local(params: dict, grads: dict, state: Any) -> tuple:
+    def local(params: dict, grads: dict, state: Any, total_sq: Any = None) -> tuple:
         if stage == 3:
             shards = {n: p[0] for n, p in params.items()}
         else:
             shards = {n: _own_shard(p, replicas) for n, p in params.items()}
         grads = {n: g[0].astype(shards[n].dtype) for n, g in grads.items()}
         state = jax.tree.map(lambda x: x[0], state)
+        if carrier:
+            shards, grads = with_carrier(shards, grads, total_sq)
         updates, state = optimizer.update(grads, state, shards)
         shards = optax.apply_updates(shards, updates)
+        shards.pop(CARRIER, None)
         if stage == 3:
             new_params = {n: s[None] for n, s in shards.items()}
         else:
@@ -112,7 +125,7 @@ def update_program(
     mapped = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(param_spec, P(AXIS), P(AXIS)),
+        in_specs=(param_spec, P(AXIS), P(AXIS)) + ((P(),) if carrier else ()),
         out_specs=(param_spec, P(AXIS), P(AXIS)),
         check_vma=False,
     )

@@ -1,10 +1,12 @@
-"""Refuse optimizers whose update of one parameter group depends on another group.
+"""Decide how the optimizer can run split over parameter groups and ZeRO shards.
 
 The runtime updates each parameter group (see Note [parameter groups and tied weights])
-on its own devices. That equals one update of all parameters only for optimizers that
-treat parameters independently (sgd, adam, adamw, schedules ...). A coupled one such as
-`clip_by_global_norm` would silently train differently, so it is refused until global
-reductions across groups exist.
+on its own devices, and under ZeRO each replica updates flat shards of its parameters.
+That equals one update of all parameters for optimizers that treat every element alike
+(sgd, adam, adamw, schedules ...). Optimizers that also read the *global gradient norm*
+(`optax.clip_by_global_norm`) get it through the norm carrier of
+mpmd_runtime/global_norm.py. Anything else would train differently in silence, so it is
+refused. Both are checked on small proxies.
 """
 
 from __future__ import annotations
@@ -16,20 +18,97 @@ import numpy as np
 import optax
 
 from piper_jax.ir.errors import PiperError
+from piper_jax.mpmd_runtime.global_norm import CARRIER
 
 
 def _proxy_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(min(d, 3) for d in shape)
 
 
-def check_optimizer_separable(
+def _run(
+    optimizer: optax.GradientTransformation,
+    params: dict,
+    grads: list[dict],
+    carriers: list[float] | None = None,
+) -> dict:
+    """Steps of `optimizer`; with `carriers`, each step's extra CARRIER gradient."""
+    p = dict(params)
+    if carriers is not None:
+        p[CARRIER] = np.float32(0.0)
+    state = optimizer.init(p)
+    for step, g in enumerate(grads):
+        g = dict(g)
+        if carriers is not None:
+            g[CARRIER] = np.float32(carriers[step])
+        updates, state = optimizer.update(g, state, p)
+        p = optax.apply_updates(p, updates)
+    p.pop(CARRIER, None)
+    return p
+
+
+def _pieces(group: Sequence[int], sharded: bool) -> list[list[str]]:
+    """The leaves one update sees: the group's, or each of two flat shards of them."""
+    names = [str(i) for i in group]
+    if not sharded:
+        return [names]
+    return [[f"{n}#{half}" for n in names] for half in range(2)]
+
+
+def _split(tree: dict) -> dict:
+    out = {}
+    for name, value in tree.items():
+        for half, part in enumerate(np.array_split(np.ravel(value), 2)):
+            out[f"{name}#{half}"] = part
+    return out
+
+
+def _agrees(
+    optimizer: optax.GradientTransformation,
+    proxy: dict,
+    grads: list[dict],
+    groups: Sequence[Sequence[int]],
+    sharded: bool,
+    carrier: bool,
+) -> bool:
+    joint = _run(optimizer, proxy, grads)
+    leaves = _split(proxy) if sharded else proxy
+    leaf_grads = [_split(g) if sharded else g for g in grads]
+    total = [sum(float(np.sum(np.square(v))) for v in g.values()) for g in grads]
+    want = _split(joint) if sharded else joint
+    for group in groups:
+        for piece in _pieces(group, sharded):
+            piece_grads = [{k: lg[k] for k in piece} for lg in leaf_grads]
+            carriers = None
+            if carrier:
+                carriers = [
+                    np.sqrt(max(t - sum(float(np.sum(np.square(v))) for v in g.values()), 0.0))
+                    for t, g in zip(total, piece_grads)
+                ]
+            got = _run(optimizer, {k: leaves[k] for k in piece}, piece_grads, carriers)
+            for k, v in got.items():
+                if not np.allclose(np.asarray(v), np.asarray(want[k]), rtol=1e-5, atol=1e-6):
+                    return False
+    return True
+
+
+def plan_optimizer(
     optimizer: optax.GradientTransformation,
     params: Sequence[Any],
     groups: Sequence[Sequence[int]],
-) -> None:
-    """Two steps of `optimizer` on small proxies, jointly and per group, must agree."""
-    if len(groups) <= 1:
-        return
+    sharded: bool,
+) -> bool:
+    """True when the updates need the global-norm carrier, False when they are independent.
+
+    Args:
+      params: example parameter leaves (only shapes are used).
+      groups: the parameter indices of each UPD node.
+      sharded: some group updates ZeRO shards rather than whole parameters.
+
+    Raises:
+      PiperError: the optimizer couples parameters in some other way.
+    """
+    if len(groups) <= 1 and not sharded:
+        return False
     rng = np.random.default_rng(0)
     proxy = {
         str(i): rng.normal(size=_proxy_shape(np.shape(p))).astype(np.float32) * 10
@@ -39,23 +118,14 @@ def check_optimizer_separable(
         {k: rng.normal(size=v.shape).astype(np.float32) * 10 for k, v in proxy.items()}
         for _ in range(2)
     ]
-
-    def run(keys: Sequence[str]) -> dict:
-        p = {k: proxy[k] for k in keys}
-        state = optimizer.init(p)
-        for g in grads:
-            updates, state = optimizer.update({k: g[k] for k in keys}, state, p)
-            p = optax.apply_updates(p, updates)
-        return p
-
-    joint = run(list(proxy))
-    for group in groups:
-        part = run([str(i) for i in group])
-        for k, v in part.items():
-            if not np.allclose(np.asarray(v), np.asarray(joint[k]), rtol=1e-5, atol=1e-6):
-                raise PiperError(
-                    "the optimizer couples parameters across parameter groups (for example "
-                    "optax.clip_by_global_norm): updating each group on its own devices "
-                    "would differ from one global update. Use a per-parameter optimizer "
-                    "(e.g. optax.adamw) or keep all regions on one device group."
-                )
+    if _agrees(optimizer, proxy, grads, groups, sharded, carrier=False):
+        return False
+    if _agrees(optimizer, proxy, grads, groups, sharded, carrier=True):
+        return True
+    raise PiperError(
+        "the optimizer couples parameters in a way piper-jax cannot split over parameter "
+        "groups or ZeRO shards (it is neither per-element nor per-element plus the global "
+        "gradient norm, e.g. a per-tensor transform such as adafactor under ZeRO). Use a "
+        "per-element optax chain (adamw, sgd, clip_by_global_norm, schedules) or keep the "
+        "regions on one device group without ZeRO."
+    )

@@ -14,7 +14,7 @@ from flax import nnx
 from piper_jax.annotate import reset_annotation_counters
 from piper_jax.directives import apply_directives, check_directives, num_microbatches
 from piper_jax.directives.types import Replicate
-from piper_jax.ir import build_dag, lift
+from piper_jax.ir import attach_updates, build_dag, lift
 from piper_jax.ir.dag import NodeKind, TrainingDAG, group_str
 from piper_jax.ir.errors import BatchError, DirectiveError
 from piper_jax.ir.lift import LiftedLoss
@@ -22,7 +22,7 @@ from piper_jax.mpmd_runtime import Executor, Plans, compile_plans
 from piper_jax.mpmd_runtime.simulator import Simulation, simulate
 from piper_jax.mpmd_runtime.timeline import write_timeline
 from piper_jax.mpmd_runtime.transport import check_same_plans
-from piper_jax.optimizer_check import check_optimizer_separable
+from piper_jax.optimizer_check import plan_optimizer
 
 DEFAULT_STEP_TIMEOUT_S = 300.0
 
@@ -111,11 +111,15 @@ def compile(
         batch_names,
     )
     dag = apply_directives(build_dag(lifted), lifted, directives, len(devices))
-    groups = [n.params for n in dag.of_kind(NodeKind.UPD)]
-    check_optimizer_separable(optimizer, param_leaves, groups)
+    upds = list(dag.of_kind(NodeKind.UPD))
+    global_norm = plan_optimizer(
+        optimizer, param_leaves, [n.params for n in upds], any(n.zero for n in upds)
+    )
+    if global_norm:
+        dag = attach_updates(dag, lifted, global_norm=True)
     plans = compile_plans(dag, {r.index for r in lifted.regions if r.batch_ids})
     check_same_plans(plans.fingerprint(), "plans")
-    executor = Executor(dag, plans, lifted, optimizer, devices, param_leaves, m)
+    executor = Executor(dag, plans, lifted, optimizer, devices, param_leaves, m, global_norm)
     if timeout_s is None:
         timeout_s = float(os.environ.get("PIPER_STEP_TIMEOUT", DEFAULT_STEP_TIMEOUT_S))
     return TrainStep(

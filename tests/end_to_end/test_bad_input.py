@@ -97,20 +97,37 @@ def test_schedule_with_too_few_stages_placed() -> None:
 
 def test_mixed_zero_settings_on_one_group_refused() -> None:
     with pytest.raises(piper.DirectiveError, match="mixes ZeRO settings"):
-        compile_mlp([piper.replicate({"PP": 0}, [0, 1], shard_grads=True),
-                     piper.replicate({"PP": 1}, [0, 1])])
+        compile_mlp(
+            [
+                piper.replicate({"PP": 0}, [0, 1], shard_grads=True),
+                piper.replicate({"PP": 1}, [0, 1]),
+            ]
+        )
 
 
-def test_coupled_optimizer_refused_across_groups() -> None:
-    opt = optax.chain(optax.clip_by_global_norm(0.01), optax.adam(1e-2))
+def test_per_tensor_optimizer_refused_under_zero() -> None:
+    """LAMB scales each tensor by its own norm: flat ZeRO shards would change that."""
     with pytest.raises(piper.PiperError, match="couples parameters"):
         piper.compile(
             mlp_loss,
             StageMLP(2),
-            opt,
+            optax.lamb(1e-3),
             mlp_batches(1)[0],
-            [piper.place({"PP": 0}, [0]), piper.place({"PP": 1}, [1])],
+            [piper.replicate({"PP": "*"}, [0, 1], shard_grads=True)],
         )
+
+
+def test_global_norm_clip_across_stages_is_supported() -> None:
+    opt = optax.chain(optax.clip_by_global_norm(0.01), optax.adam(1e-2))
+    step = piper.compile(
+        mlp_loss,
+        StageMLP(2),
+        opt,
+        mlp_batches(1)[0],
+        [piper.place({"PP": 0}, [0]), piper.place({"PP": 1}, [1])],
+    )
+    # one more ALL_REDUCE, over every device, with no parameters: the squared norms
+    assert "ALL_REDUCE" in step.explain() and "d0,1" in step.explain()
 
 
 def test_all_errors_are_value_errors() -> None:

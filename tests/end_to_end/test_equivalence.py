@@ -71,6 +71,15 @@ def test_directives_from_reference_json(tmp_path) -> None:
     assert plan[:4] == ["F1.0", "B1.0", "F1.1", "B1.1"]
 
 
+def test_global_norm_clip_on_pipeline_matches_single_device() -> None:
+    opt = optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(1e-2, weight_decay=0.1))
+    batches = mlp_batches(3)
+    step = piper.compile(
+        mlp_loss, StageMLP(4), opt, batches[0], pipeline(4, 4, schedules.one_f_one_b)
+    )
+    assert_matches_reference(step, mlp_loss, lambda: StageMLP(4), opt, batches)
+
+
 def test_sgd_with_schedule_and_weight_decay() -> None:
     """A learning-rate schedule and decoupled weight decay, on PP=2 x DP=2."""
     opt = optax.adamw(optax.linear_schedule(1e-2, 1e-3, 3), weight_decay=0.1)

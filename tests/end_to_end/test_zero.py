@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import optax
 import pytest
-from helpers import StageMLP, assert_matches_reference, mlp_batches, mlp_loss
+from helpers import StageMLP, assert_matches_reference, mlp_batches, mlp_loss, reference_run
 
 import piper_jax as piper
 from piper_jax import schedules
 
-OPT = optax.adamw(optax.linear_schedule(1e-2, 1e-3, 3), weight_decay=0.1)
+# clip_by_global_norm needs the norm over all stages and shards; 0.05 is below the
+# gradient norm of every step here, so the clip is active (checked below)
+OPT = optax.chain(
+    optax.clip_by_global_norm(0.05),
+    optax.adamw(optax.linear_schedule(1e-2, 1e-3, 3), weight_decay=0.1),
+)
 ZERO = {"zero2": {"shard_grads": True}, "zero3": {"shard_params": True}}
 
 
@@ -37,6 +42,25 @@ def test_zero_matches_single_device(stage: str, layout) -> None:
     batches = mlp_batches(3)
     step = piper.compile(mlp_loss, StageMLP(2), OPT, batches[0], layout(ZERO[stage]))
     assert_matches_reference(step, mlp_loss, lambda: StageMLP(2), OPT, batches)
+
+
+# Adam hides a wrong clip factor (it is nearly invariant to scaling its gradients); with
+# SGD every error in the global norm changes the step, so the norm itself is checked here.
+CLIP_SGD = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.5))
+
+
+def test_the_clip_is_active() -> None:
+    clipped, _ = reference_run(mlp_loss, StageMLP(2), CLIP_SGD, mlp_batches(3))
+    plain, _ = reference_run(mlp_loss, StageMLP(2), optax.sgd(0.5), mlp_batches(3))
+    assert abs(clipped[-1] - plain[-1]) > 1e-2
+
+
+@pytest.mark.parametrize("layout", [dp4, pp2_dp2])
+@pytest.mark.parametrize("stage", sorted(ZERO))
+def test_global_norm_over_stages_and_shards(stage: str, layout) -> None:
+    batches = mlp_batches(3)
+    step = piper.compile(mlp_loss, StageMLP(2), CLIP_SGD, batches[0], layout(ZERO[stage]))
+    assert_matches_reference(step, mlp_loss, lambda: StageMLP(2), CLIP_SGD, batches)
 
 
 def memory(flags: dict) -> dict[str, int]:
