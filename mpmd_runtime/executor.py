@@ -25,6 +25,7 @@ from piper_jax.mpmd_runtime import programs as pg
 from piper_jax.mpmd_runtime import zero
 from piper_jax.mpmd_runtime.instructions import ALL_REDUCE, FREE, RECV, RUN, SEND, UPD
 from piper_jax.mpmd_runtime.plans import Group, Plans
+from piper_jax.mpmd_runtime.simulator import TimelineEvent
 from piper_jax.mpmd_runtime.transport import (
     Aval,
     from_local_shards,
@@ -239,10 +240,10 @@ class Executor:
         """Run one step and return its loss, within `timeout_s` (see mpmd_runtime/watchdog.py)."""
         if jax.process_count() == 1:
             self.run(batch_leaves)
-            return self.mean_loss(timeout_s)
+            return self.mean_loss()
         with StepWatchdog(timeout_s, lambda: self._stall_report(timeout_s)):
             self.run(batch_leaves)
-            return self.mean_loss(timeout_s)
+            return self.mean_loss()
 
     def _stall_report(self, timeout_s: float) -> str:
         """The first unfinished instruction, read without blocking (watchdog thread)."""
@@ -253,26 +254,11 @@ class Executor:
                 break
         return self._failure_message(stuck, f"did not finish within {timeout_s:g} s")
 
-    def wait(self, timeout_s: float) -> None:
-        """Wait for every dispatched instruction of this process, in order; a PiperError
-        naming the first unfinished one and the peer processes it waits on if the step
-        does not finish within `timeout_s` (a dead or stalled peer), instead of a hang."""
-        deadline = time.monotonic() + timeout_s
-        pause = 1e-5
-        for i, out in self._witnesses:
-            leaves = jax.tree.leaves(out)
-            while not all(x.is_deleted() or x.is_ready() for x in leaves):
-                if time.monotonic() > deadline:
-                    raise PiperError(
-                        self._failure_message(
-                            i,
-                            f"did not finish within {timeout_s:g} s",
-                            "; raise the step timeout (compile(..., timeout_s=...)) for very "
-                            "long steps",
-                        )
-                    )
-                time.sleep(pause)
-                pause = min(2 * pause, 1e-3)
+    def wait(self) -> None:
+        """Block until every instruction this process dispatched has finished. (A stalled
+        peer is caught by the step watchdog, since the host may block in a collective.)"""
+        leaves = [x for _, out in self._witnesses for x in jax.tree.leaves(out)]
+        jax.block_until_ready([x for x in leaves if not x.is_deleted()])
 
     def _peers_of(self, index: int) -> list[int]:
         """The other processes that instruction `index` of the step exchanges data with."""
@@ -294,9 +280,31 @@ class Executor:
             f"died or stalled: check that process's output{hint}"
         )
 
-    def mean_loss(self, timeout_s: float) -> float:
+    def run_recorded(self, batch_leaves: Sequence[np.ndarray]) -> list[TimelineEvent]:
+        """Run one step instruction by instruction, waiting for each to finish, and return
+        when each ran (seconds from the start). For timelines and cost measurement only:
+        it serialises the devices, so the step is slower than `run`."""
+        self._stage_batch(batch_leaves)
+        jax.block_until_ready(self.stores)
+        self.losses = []
+        events = []
+        t0 = time.perf_counter()
+        for step, (members, index) in zip(self.steps, self.step_events):
+            start = time.perf_counter() - t0
+            step()
+            jax.block_until_ready((self.stores, self.acc, self.params, self.mailbox, self.reduced))
+            end = time.perf_counter() - t0
+            ins = self.plans.plans[members[0]][index[0]]
+            if ins.op == FREE:
+                continue
+            kind = ins.pass_ if ins.op == RUN else ins.op
+            for g in members:
+                events.append(TimelineEvent(g, str(ins), kind, ins.microbatch, start, end))
+        return events
+
+    def mean_loss(self) -> float:
         """The step's loss (mean over microbatches and replicas), on every process."""
-        self.wait(timeout_s)
+        self.wait()
         loss_group = self.loss_group
         value = np.float32(0.0)
         if loss_group in self.local:
@@ -521,6 +529,18 @@ class Executor:
 
         def out_sharding(g: Group) -> Any:
             return pg.stacked(self.meshes[g]) if node.zero else pg.replicated(self.meshes[g])
+
+        if len(members) == 1:  # plain data parallelism: the accumulators are the input
+            g = members[0]
+            program = pg.all_reduce_program(self.meshes[g], groups=1 if node.zero else None)
+            acc, reduced = self.acc[g], self.reduced[g]
+
+            def step_one_group() -> list:
+                totals = program([acc[n] for n in names])
+                reduced.update(zip(names, totals))
+                return totals
+
+            return step_one_group
 
         def step() -> list:
             xs = []

@@ -144,3 +144,28 @@ def test_write_timeline_png_and_json(tmp_path) -> None:
     assert last["ts"] + last["dur"] == pytest.approx(33 * 1000.0)  # 1 unit = 1 ms
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
     assert names == {"d0", "d1", "d2", "d3"}
+
+
+def test_measured_costs_and_timeline(tmp_path) -> None:
+    """An instrumented real step: per-pass seconds for simulate(), and a real timeline."""
+    step = piper.compile(
+        mlp_loss,
+        StageMLP(2),
+        optax.sgd(0.1),
+        mlp_batches(1)[0],
+        [
+            piper.split({"PP": "*"}, num_microbatches=2),
+            piper.place({"PP": 0}, [0]),
+            piper.place({"PP": 1}, [1]),
+            *piper.schedules.one_f_one_b(2, 2),
+        ],
+    )
+    batch = mlp_batches(1)[0]
+    step(batch)  # compile first, so the measurement sees run time only
+    costs = step.measure_costs(batch)
+    assert {"F", "B", "UPD"} <= set(costs) and all(v > 0 for v in costs.values())
+    assert step.simulate(costs).step_time > 0
+    path = tmp_path / "real.json"
+    step.timeline(path, batch=batch)
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {e["name"] for e in events} >= {"F0.0", "B1.1", "UPD0"}
