@@ -65,6 +65,8 @@ def memory_str(step: Any) -> str:
     if memory is None:
         return "n/a"
     m = memory()
+    if m and all(isinstance(v, dict) for v in m.values()):  # piper: per device, take the fullest
+        m = max(m.values(), key=lambda row: row.get("params", 0) + row.get("opt_state", 0))
     return f"{m.get('params', 0) / 2**20:.2f}+{m.get('opt_state', 0) / 2**20:.2f}"
 
 

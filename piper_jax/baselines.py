@@ -22,6 +22,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from piper_jax.batching import check_batch_size
 from piper_jax.ir.errors import BatchError, DirectiveError
 
 STRATEGIES = ("dp", "fsdp")
@@ -43,18 +44,7 @@ def fsdp_spec(shape: Sequence[int], mesh_size: int) -> PartitionSpec:
 
 
 def _batch_size(leaves: Sequence[Any], names: Sequence[str], num_devices: int, what: str) -> int:
-    sizes = {n: (np.shape(x)[0] if np.ndim(x) else None) for n, x in zip(names, leaves)}
-    if any(s is None for s in sizes.values()) or len(set(sizes.values())) != 1:
-        raise BatchError(
-            f"{what}: every batch leaf needs the same leading (batch) axis; got sizes {sizes}"
-        )
-    size = next(iter(sizes.values()))
-    if size % num_devices:
-        raise BatchError(
-            f"{what}: batch size {size} (leaf {names[0]}) is not divisible by the "
-            f"{num_devices} devices of the data mesh; use a multiple of {num_devices}"
-        )
-    return size
+    return check_batch_size(leaves, names, num_devices, what, "the devices of the data mesh")
 
 
 class PjitStep:

@@ -12,6 +12,7 @@ import optax
 from flax import nnx
 
 from piper_jax.annotate import reset_annotation_counters
+from piper_jax.batching import check_batch_size
 from piper_jax.directives import apply_directives, check_directives, num_microbatches
 from piper_jax.directives.types import Replicate
 from piper_jax.ir import attach_updates, build_dag, lift
@@ -44,19 +45,7 @@ def _replica_count(directives: Sequence[Any]) -> int:
 
 
 def _check_batch(leaves: Sequence[Any], names: Sequence[str], parts: int, what: str) -> int:
-    sizes = {n: (np.shape(x)[0] if np.ndim(x) else None) for n, x in zip(names, leaves)}
-    if any(s is None for s in sizes.values()) or len(set(sizes.values())) != 1:
-        raise BatchError(
-            f"{what}: every batch leaf needs the same leading (batch) axis; got sizes {sizes}"
-        )
-    size = next(iter(sizes.values()))
-    if size % parts:
-        raise BatchError(
-            f"{what}: batch size {size} (leaf {names[0]}) is not divisible by "
-            f"num_microbatches x replicas = {parts}; use a batch size that is a multiple "
-            f"of {parts}"
-        )
-    return size
+    return check_batch_size(leaves, names, parts, what, "num_microbatches x replicas")
 
 
 def compile(

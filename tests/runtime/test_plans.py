@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import optax
 import pytest
-from helpers import StageMLP, mlp_batches, mlp_loss
+from helpers import StageMLP, deadlocked_plans, mlp_batches, mlp_loss
 from piper_jax.mpmd_runtime import dry_run, parse
 from piper_jax.mpmd_runtime.instructions import Instruction
 
@@ -62,18 +62,7 @@ def test_1f1b_plans() -> None:
 
 def test_dry_run_reports_deadlock_with_marked_grid() -> None:
     step = pp2_step(2)
-    plans = {g: list(p) for g, p in step.plans.plans.items()}
-    nodes = {g: list(n) for g, n in step.plans.nodes.items()}
-
-    def move_before(group, text, anchor):
-        names = [str(x) for x in plans[group]]
-        i, j = names.index(text), names.index(anchor)
-        for seq in (plans[group], nodes[group]):
-            seq.insert(j, seq.pop(i))
-
-    # d0 waits for B1.0 before sending F0.1; d1 waits for F0.1 before sending B1.0
-    move_before((0,), "RECV B1.0 <- d1", "SEND F0.1 -> d1")
-    move_before((1,), "RECV F0.1 <- d0", "SEND B1.0 -> d0")
+    plans, nodes = deadlocked_plans(step)
     with pytest.raises(piper.PlanError, match=r"plan deadlock(.|\n)*>> "):
         dry_run(step.dag, plans, nodes)
     # the compiled plans themselves pass

@@ -8,7 +8,7 @@ import json
 
 import optax
 import pytest
-from helpers import StageMLP, mlp_batches, mlp_loss
+from helpers import StageMLP, deadlocked_plans, mlp_batches, mlp_loss
 from piper_jax.mpmd_runtime.simulator import resolve_costs, simulate
 from piper_jax.mpmd_runtime.timeline import write_timeline
 
@@ -111,18 +111,7 @@ def test_costs() -> None:
 
 def test_deadlock_raises_plan_error() -> None:
     step = pipeline_step("one_f_one_b", 2, 2)
-    plans = {g: list(p) for g, p in step.plans.plans.items()}
-    nodes = {g: list(n) for g, n in step.plans.nodes.items()}
-
-    def move_before(group, text, anchor):
-        names = [str(x) for x in plans[group]]
-        i, j = names.index(text), names.index(anchor)
-        for seq in (plans[group], nodes[group]):
-            seq.insert(j, seq.pop(i))
-
-    # d0 waits for B1.0 before sending F0.1; d1 waits for F0.1 before sending B1.0
-    move_before((0,), "RECV B1.0 <- d1", "SEND F0.1 -> d1")
-    move_before((1,), "RECV F0.1 <- d0", "SEND B1.0 -> d0")
+    plans, nodes = deadlocked_plans(step)
     bad = dataclasses.replace(step.plans, plans=plans, nodes=nodes)
     with pytest.raises(piper.PlanError, match=r"deadlock(.|\n)*d0: RECV B1.0 <- d1(.|\n)*>> "):
         simulate(step.dag, bad, FB)
