@@ -46,7 +46,9 @@ def test_fsdp_spec_picks_largest_divisible_axis() -> None:
 def test_user_errors_are_piper_errors() -> None:
     with pytest.raises(DirectiveError, match="unknown strategy 'zero9'.*dp, fsdp"):
         make_step("zero9")
-    with pytest.raises(BatchError, match=r"batch size 6 .* not divisible by the devices of the data mesh = 4"):
+    with pytest.raises(
+        BatchError, match=r"batch size 6 .* not divisible by the devices of the data mesh = 4"
+    ):
         make_step("dp", mlp_batches(1, batch_size=6)[0])
     step = make_step("dp")
     with pytest.raises(PiperError, match="batch size 8 differs"):
