@@ -9,6 +9,7 @@ processes (its programs then run multi-controller SPMD on every process that hol
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,7 +37,18 @@ from piper_jax.mpmd_runtime.transport import (
 )
 from piper_jax.mpmd_runtime.watchdog import StepWatchdog
 
-Step = Callable[[], None]
+Step = Callable[[], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPart:
+    """One pass of one region on one microbatch: read its inputs from the buffers, run
+    `programs.mapped[program]`, write its outputs back (returning what to wait on)."""
+
+    programs: pg.RegionPrograms
+    program: str
+    gather: Callable[[], tuple]
+    scatter: Callable[[tuple, Any], Any]
 
 
 class Executor:
@@ -135,6 +147,7 @@ class Executor:
             out_shardings=pg.replicated(self.meshes[self.loss_group]),
         )
         self._position = 0
+        self.fused: list[str] = []  # overlap units bound as one program, for explain()
         self._witnesses: list[tuple[int, Any]] = []
         events = [(m, i) for m, i in plans.order if self._takes_part(m, i)]
         self.steps: list[Step] = [self._bind(members, index) for members, index in events]
@@ -372,13 +385,12 @@ class Executor:
         ins = self.plans.plans[g][i]
         uid = self.plans.nodes[g][i]
         if ins.op == RUN:
-            bind = {
-                "F": self._bind_forward,
-                "B": self._bind_backward,
-                "BI": self._bind_backward_input,
-                "BW": self._bind_backward_weight,
-            }[ins.pass_]
-            return bind(g, ins.region, ins.microbatch)
+            unit = self._overlap_unit(g, i)
+            if unit and unit[0] != i:
+                return lambda: None  # runs inside the fused program of its unit
+            if len(unit) > 1:
+                return self._bind_fused(g, unit)
+            return self._bind_run(self._run_part(g, ins.pass_, ins.region, ins.microbatch))
         if ins.op == SEND:
             return self._bind_send(g, ins.buffer(), ins.peer)
         if ins.op == RECV:
@@ -393,92 +405,149 @@ class Executor:
         store, label = self.stores[g], ins.buffer()
         return lambda: store.pop(label, None)
 
-    def _bind_forward(self, g: Group, r: int, mb: int) -> Step:
-        region = self.lifted.regions[r]
-        programs, store, params = self._programs[(r, g)], self.stores[g], self.params[g]
-        names = [self.lifted.param_names[p] for p in region.param_ids]
-        acts = [(f"F{a.region}.{mb}", a.position) for a in region.act_inputs]
-        label, res, batch = f"F{r}.{mb}", f"R{r}.{mb}", f"batch.{mb}"
-        loss_pos = region.loss_position
-        recompute = programs.mode == "recompute"
+    # ---- compute: each pass is gather (inputs from the buffers) -> program -> scatter ----
 
-        def step() -> None:
-            b = store.get(batch, {})
-            inputs = ([b[i] for i in region.batch_ids], [store[k][pos] for k, pos in acts])
-            if recompute:
-                outs = programs.forward([params[n] for n in names], *inputs)
-                store[label], store[res] = outs, inputs  # only the region inputs stay alive
-            else:
-                store[label], store[res] = programs.forward([params[n] for n in names], *inputs)
-            if loss_pos is not None:
-                self.losses.append(store[label][loss_pos])
-            return store[label]
+    def _overlap_unit(self, g: Group, i: int) -> list[int]:
+        """Plan positions of the overlap unit holding position i of g (see order.py)."""
+        overlap = self.dag.nodes[self.plans.nodes[g][i]].overlap
+        if overlap is None:
+            return [i]
+        start = i
+        while start > 0 and self._overlap_at(g, start - 1) in (overlap, "free"):
+            start -= 1
+        unit = []
+        for k in range(start, len(self.plans.plans[g])):
+            uid = self.plans.nodes[g][k]
+            if uid is None:
+                continue
+            if self.dag.nodes[uid].overlap != overlap:
+                break
+            unit.append(k)
+        return unit
+
+    def _overlap_at(self, g: Group, k: int) -> int | str | None:
+        uid = self.plans.nodes[g][k]
+        return "free" if uid is None else self.dag.nodes[uid].overlap
+
+    def _bind_run(self, part: RunPart) -> Step:
+        program = part.programs.jitted(part.program)
+
+        def step() -> Any:
+            args = part.gather()
+            return part.scatter(args, program(*args))
 
         return step
+
+    def _bind_fused(self, g: Group, unit: list[int]) -> Step:
+        """An overlap unit as one XLA program, so XLA may interleave its passes. A BI and
+        BW of one microbatch in the unit become that region's whole backward."""
+        passes = [self.plans.plans[g][k] for k in unit]
+        self.fused.append(f"{group_str(g)}: " + " + ".join(str(i) for i in passes))
+        split = {(i.region, i.microbatch) for i in passes if i.pass_ == "BI"} & {
+            (i.region, i.microbatch) for i in passes if i.pass_ == "BW"
+        }
+        parts = []
+        for ins in passes:
+            key = (ins.region, ins.microbatch)
+            if key in split and ins.pass_ == "BW":
+                continue
+            pass_ = "B" if key in split else ins.pass_
+            parts.append(self._run_part(g, pass_, ins.region, ins.microbatch))
+        fns = [part.programs.mapped[part.program] for part in parts]
+        cache: dict[tuple[int, ...], Callable] = {}
+
+        def step() -> Any:
+            args = [part.gather() for part in parts]
+            sizes = tuple(len(a) for a in args)
+            if sizes not in cache:
+                offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+                donate = [o + d for o, (_, d) in zip(offsets, fns) if d is not None]
+
+                def fused(*flat: Any) -> tuple:
+                    return tuple(fn(*flat[o : o + n]) for (fn, _), o, n in zip(fns, offsets, sizes))
+
+                cache[sizes] = jax.jit(fused, donate_argnums=tuple(donate))
+            results = cache[sizes](*[x for a in args for x in a])
+            return [part.scatter(a, out) for part, a, out in zip(parts, args, results)]
+
+        return step
+
+    def _run_part(self, g: Group, pass_: str, r: int, mb: int) -> RunPart:
+        region = self.lifted.regions[r]
+        programs, store = self._programs[(r, g)], self.stores[g]
+        params, acc = self.params[g], self.acc[g]
+        names = [self.lifted.param_names[p] for p in region.param_ids]
+        res, cross = f"R{r}.{mb}", f"X{r}.{mb}"
+        cot_inputs = self._cotangent_inputs(region, mb)
+        recompute, gathered = programs.mode == "recompute", programs.zero == 3
+
+        def cotangents() -> dict:
+            return {c: store[k] for c, k in cot_inputs}
+
+        def accumulated(args: tuple, new_acc: list) -> list:
+            acc.update(zip(names, new_acc))
+            return new_acc
+
+        if pass_ == "F":
+            acts = [(f"F{a.region}.{mb}", a.position) for a in region.act_inputs]
+            label, batch = f"F{r}.{mb}", f"batch.{mb}"
+
+            def gather() -> tuple:
+                b = store.get(batch, {})
+                return (
+                    [params[n] for n in names],
+                    [b[i] for i in region.batch_ids],
+                    [store[k][pos] for k, pos in acts],
+                )
+
+            def scatter(args: tuple, out: Any) -> Any:
+                if recompute:  # only the region inputs stay alive for the backward
+                    store[label], store[res] = out, args[1:]
+                else:
+                    store[label], store[res] = out
+                if region.loss_position is not None:
+                    self.losses.append(store[label][region.loss_position])
+                return store[label]
+
+            return RunPart(programs, "F", gather, scatter)
+        if pass_ == "B":
+            label = f"{self.cotangent_pass.get(r, 'B')}{r}.{mb}"
+
+            def gather() -> tuple:
+                grads = [acc[n] for n in names]
+                if recompute:
+                    batch, acts = store.pop(res)
+                    return ([params[n] for n in names], batch, acts, cotangents(), grads)
+                if gathered:
+                    return ([params[n] for n in names], store.pop(res), cotangents(), grads)
+                return (store.pop(res), cotangents(), grads)
+
+            def scatter(args: tuple, out: Any) -> Any:
+                g_acts, new_acc = out
+                store[label] = g_acts
+                return accumulated(args, new_acc) or g_acts
+
+            return RunPart(programs, "B", gather, scatter)
+        if pass_ == "BI":
+            label = f"BI{r}.{mb}"
+
+            def scatter_bi(args: tuple, out: Any) -> Any:
+                store[label], store[cross] = out
+                return store[cross] or store[label]
+
+            return RunPart(programs, "BI", lambda: (store[res], cotangents()), scatter_bi)
+        assert pass_ == "BW", pass_
+        return RunPart(
+            programs,
+            "BW",
+            lambda: (store.pop(res), store.pop(cross), [acc[n] for n in names]),
+            accumulated,
+        )
 
     def _cotangent_inputs(self, region: Region, mb: int) -> list[tuple[int, str]]:
         sources = pg.cotangent_sources(self.lifted, region)
         consumers = sorted({c for src in sources for c, _ in src})
         return [(c, f"{self.cotangent_pass.get(c, 'B')}{c}.{mb}") for c in consumers]
-
-    def _bind_backward(self, g: Group, r: int, mb: int) -> Step:
-        region = self.lifted.regions[r]
-        programs, store, acc, params = (
-            self._programs[(r, g)],
-            self.stores[g],
-            self.acc[g],
-            self.params[g],
-        )
-        names = [self.lifted.param_names[p] for p in region.param_ids]
-        cot_inputs = self._cotangent_inputs(region, mb)
-        label, res = f"B{r}.{mb}", f"R{r}.{mb}"
-        recompute = programs.mode == "recompute"
-        gathered = programs.zero == 3
-
-        def step() -> None:
-            cots = {c: store[k] for c, k in cot_inputs}
-            grads = [acc[n] for n in names]
-            if recompute:
-                batch, acts = store.pop(res)
-                g_acts, new_acc = programs.backward(
-                    [params[n] for n in names], batch, acts, cots, grads
-                )
-            elif gathered:
-                g_acts, new_acc = programs.backward(
-                    [params[n] for n in names], store.pop(res), cots, grads
-                )
-            else:
-                g_acts, new_acc = programs.backward(store.pop(res), cots, grads)
-            store[label] = g_acts
-            acc.update(zip(names, new_acc))
-            return new_acc or g_acts
-
-        return step
-
-    def _bind_backward_input(self, g: Group, r: int, mb: int) -> Step:
-        programs, store = self._programs[(r, g)], self.stores[g]
-        cot_inputs = self._cotangent_inputs(self.lifted.regions[r], mb)
-        label, res, cross = f"BI{r}.{mb}", f"R{r}.{mb}", f"X{r}.{mb}"
-
-        def step() -> None:
-            cots = {c: store[k] for c, k in cot_inputs}
-            store[label], store[cross] = programs.backward_input(store[res], cots)
-            return store[cross] or store[label]
-
-        return step
-
-    def _bind_backward_weight(self, g: Group, r: int, mb: int) -> Step:
-        programs, store, acc = self._programs[(r, g)], self.stores[g], self.acc[g]
-        names = [self.lifted.param_names[p] for p in self.lifted.regions[r].param_ids]
-        res, cross = f"R{r}.{mb}", f"X{r}.{mb}"
-
-        def step() -> None:
-            grads = [acc[n] for n in names]
-            new_acc = programs.backward_weight(store.pop(res), store.pop(cross), grads)
-            acc.update(zip(names, new_acc))
-            return new_acc
-
-        return step
 
     def buffer_avals(self, label: str) -> list[Aval]:
         """Global shapes of a moved buffer, known statically on both sides of a transfer."""

@@ -100,40 +100,52 @@ class RegionPrograms:
         self.float_out = [region.out_is_float(i) for i in range(len(region.out_shapes))]
         self.sources = cotangent_sources(lifted, region)
         stacked3 = (P(AXIS), P(AXIS), P(AXIS))
-        if zero == 3:
-            assert mode == "plain", "ZeRO-3 regions are refused with recompute/BI-BW upstream"
-            self.forward = jax.jit(_shard(self._forward, mesh, stacked3, P(AXIS)))
-            self.backward = jax.jit(
-                _shard(self._backward_gathered, mesh, stacked3 + (P(AXIS),), (P(AXIS), P(AXIS))),
-                donate_argnums=(3,),
-            )
-            return
+        plain_params = (P(AXIS),) if zero == 3 else (P(),)
+        # pass -> (shard_mapped per-replica function, index of its donated accumulators)
+        self.mapped: dict[str, tuple[Callable, int | None]] = {}
         if mode == "recompute":
-            self.forward = jax.jit(
-                _shard(self._forward_only, mesh, (P(), P(AXIS), P(AXIS)), P(AXIS))
+            self.mapped["F"] = (
+                _shard(self._forward_only, mesh, (P(), P(AXIS), P(AXIS)), P(AXIS)),
+                None,
             )
-            self.backward = jax.jit(
+            self.mapped["B"] = (
                 _shard(
                     self._recompute_backward,
                     mesh,
                     (P(),) + stacked3 + (P(AXIS),),
                     (P(AXIS), P(AXIS)),
                 ),
-                donate_argnums=(4,),
+                4,
             )
-            return
-        self.forward = jax.jit(_shard(self._forward, mesh, (P(), P(AXIS), P(AXIS)), P(AXIS)))
-        self.backward = jax.jit(
-            _shard(self._backward, mesh, stacked3, (P(AXIS), P(AXIS))), donate_argnums=(2,)
-        )
+        elif zero == 3:
+            assert mode == "plain", "ZeRO-3 regions are refused with recompute/BI-BW upstream"
+            self.mapped["F"] = (_shard(self._forward, mesh, stacked3, P(AXIS)), None)
+            self.mapped["B"] = (
+                _shard(self._backward_gathered, mesh, stacked3 + (P(AXIS),), (P(AXIS), P(AXIS))),
+                3,
+            )
+        else:
+            self.mapped["F"] = (
+                _shard(self._forward, mesh, plain_params + (P(AXIS), P(AXIS)), P(AXIS)),
+                None,
+            )
+            self.mapped["B"] = (_shard(self._backward, mesh, stacked3, (P(AXIS), P(AXIS))), 2)
         if mode == "split":
             self._bi, self._bw = self._split_backward()
-            self.backward_input = jax.jit(
-                _shard(self._backward_input, mesh, (P(AXIS), P(AXIS)), (P(AXIS), P(AXIS)))
+            self.mapped["BI"] = (
+                _shard(self._backward_input, mesh, (P(AXIS), P(AXIS)), (P(AXIS), P(AXIS))),
+                None,
             )
-            self.backward_weight = jax.jit(
-                _shard(self._backward_weight, mesh, stacked3, P(AXIS)), donate_argnums=(2,)
-            )
+            self.mapped["BW"] = (_shard(self._backward_weight, mesh, stacked3, P(AXIS)), 2)
+        self._jitted = {
+            name: jax.jit(fn, donate_argnums=() if donate is None else (donate,))
+            for name, (fn, donate) in self.mapped.items()
+        }
+        self.forward, self.backward = self._jitted["F"], self._jitted["B"]
+
+    def jitted(self, name: str) -> Callable:
+        """The program of pass `name` (F, B, BI, BW) on its own."""
+        return self._jitted[name]
 
     # ---- per-replica functions (inside shard_map every value has a leading axis 1) ----
 

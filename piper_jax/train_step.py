@@ -228,4 +228,7 @@ class TrainStep:
         lines.append(self.plans.grid())
         for g, plan in sorted(self.plans.plans.items()):
             lines.append(f"plan {group_str(g)}: " + "; ".join(str(i) for i in plan))
+        if self._executor.fused:
+            lines.append("overlap units fused into one program each:")
+            lines += [f"  {unit}" for unit in self._executor.fused]
         return "\n".join(lines)

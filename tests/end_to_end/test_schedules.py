@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import optax
 import pytest
 from helpers import StageMLP, assert_matches_reference, mlp_batches, mlp_loss
@@ -73,6 +75,8 @@ def test_dualpipev_overlap_groups_put_forward_and_backward_side_by_side() -> Non
         mlp_batches(1)[0],
         split(4) + dualpipev_placement(2) + schedules.dualpipev(2, 4),
     )
+    # rank 0's main loop: F of stage 0 with the whole backward of stage 3, one XLA program
+    assert re.search(r"d0: F0\.\d \+ BI3\.\d \+ BW3\.\d", step.explain())
     runs = [str(i) for i in step.plans.plans[(0,)] if i.op == "RUN"]
     # rank 0 holds stages 0 and 3; its main loop pairs F0 with B3 (BI and BW together)
     assert "F0.2" in runs and runs.index("BI3.0") < runs.index("F0.3")
