@@ -7,10 +7,14 @@ the only device of process 0 to the only device of process 1 (gloo on 127.0.0.1)
            array on every call, then runs a jitted 2-device ppermute);
   raw:     the same jitted `ppermute` inside `jax.shard_map` on the same 2-device mesh,
            called on a global input array built once.
-Each repetition ends with `jax.block_until_ready` on both ranks. The latency of a size is
-the larger of the two ranks' median seconds per transfer; bandwidth = bytes / latency.
+Each repetition ends with `jax.block_until_ready` on both ranks; runtime and raw calls
+alternate (ABBA...) so that the load of other work on the machine hits both alike. The
+latency of a size is the larger of the two ranks' median seconds per transfer;
+bandwidth = bytes / latency.
 Rank 0 prints the table; "zeros ms" is the receiver's median time to make a fresh
-jnp.zeros of the payload, which the runtime's transfer does on every call.
+jnp.zeros of the payload, which the runtime's transfer does on every call (a lower bound
+on its cost there: in a loop of zeros alone the freed buffer is reused, while inside the
+transfer it often lands on fresh pages the kernel must fault in and clear).
 
 Run: .venv/bin/python benchmarks/p2p.py --launch       (starts the 2 ranks itself)
   or .venv/bin/python -m piper_jax.launch --nprocs 2 benchmarks/p2p.py
@@ -24,9 +28,9 @@ import subprocess
 import sys
 import time
 
-SIZES = {"4 KiB": 4 << 10, "1 MiB": 1 << 20, "16 MiB": 16 << 20, "64 MiB": 64 << 20}
+SIZES = {"4KiB": 4 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20, "64MiB": 64 << 20}
 # (warm-up, timed) repetitions per size: small sizes are cheap, large ones take ~0.1 s.
-REPS = {"4 KiB": (20, 400), "1 MiB": (10, 200), "16 MiB": (5, 50), "64 MiB": (3, 25)}
+REPS = {"4KiB": (20, 600), "1MiB": (10, 300), "16MiB": (5, 80), "64MiB": (3, 40)}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -81,44 +85,45 @@ def bench(args: argparse.Namespace) -> None:
     )
     mine = jax.local_devices()[0]
 
-    def timed(fn, warmup: int, reps: int) -> float:
-        for _ in range(warmup):
-            jax.block_until_ready(fn())
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times.append(time.perf_counter() - t0)
-        return float(np.median(times))
+    def timed(fns: list, warmup: int, reps: int) -> list[float]:
+        """Median s per call of each of `fns`, interleaved (order flipped every repetition)
+        so that drifting load on this small machine hits all of them alike."""
+        times: list[list[float]] = [[] for _ in fns]
+        for i in range(warmup + reps):
+            order = range(len(fns)) if i % 2 == 0 else reversed(range(len(fns)))
+            for k in order:
+                t0 = time.perf_counter()
+                jax.block_until_ready(fns[k]())
+                if i >= warmup:
+                    times[k].append(time.perf_counter() - t0)
+        return [float(np.median(t)) for t in times]
 
     rows = []
     for name in args.sizes:
-        nbytes = SIZES[name]
-        n = nbytes // 4
+        n = SIZES[name] // 4
         warmup, reps = (max(1, round(r * args.reps_scale)) for r in REPS[name])
         # Runtime transfer: sender passes [array on its 1-device group], receiver None.
         transfer = make_transfer(src_mesh, dst_mesh, [((1, n), np.float32)])
         if rank == 0:
-            x = jax.device_put(np.ones((1, n), np.float32), stacked(src_mesh))
-            arg = [x]
+            arg = [jax.device_put(np.ones((1, n), np.float32), stacked(src_mesh))]
         else:
             arg = None
-        t_runtime = timed(lambda a=arg, t=transfer: t(a), warmup, reps)
         # Raw ppermute: global (2, n) array sharded over the pair, built once.
         local = jnp.full((1, n), 1.0 if rank == 0 else 0.0, jnp.float32, device=mine)
         sharding = NamedSharding(pair, P("r"))
         xg = jax.make_array_from_single_device_arrays((2, n), sharding, [local])
-        t_raw = timed(lambda a=xg: raw_program(a), warmup, reps)
-        if name == args.sizes[0]:  # correctness, once: rank 1 got rank 0's ones
-            got, _ = transfer(arg)
-            out = raw_program(xg)
-            if rank == 1:
-                assert float(got[0].addressable_shards[0].data.min()) == 1.0
-                assert float(out.addressable_shards[0].data.min()) == 1.0
+        got, _ = transfer(arg)  # correctness (and compiles both): rank 1 got rank 0's ones
+        out = raw_program(xg)
+        if rank == 1:
+            assert float(got[0].addressable_shards[0].data.min()) == 1.0
+            assert float(out.addressable_shards[0].data.min()) == 1.0
+        del got, out
+        fns = [lambda a=arg, t=transfer: t(a), lambda a=xg: raw_program(a)]
+        t_runtime, t_raw = timed(fns, warmup, reps)
         # What the runtime adds on the receiver: a fresh zeros buffer of the payload per call.
-        t_zeros = timed(lambda n=n: jnp.zeros((1, n), jnp.float32, device=mine), warmup, reps)
+        (t_zeros,) = timed([lambda n=n: jnp.zeros((1, n), jnp.float32, device=mine)], 2, reps)
         rows.append((t_runtime, t_raw, t_zeros))
-        del transfer, arg, local, xg
+        del transfer, arg, local, xg, fns
 
     mine_t = np.array(rows, np.float64)
     both = np.asarray(multihost_utils.process_allgather(mine_t))  # (2 ranks, sizes, 3)
