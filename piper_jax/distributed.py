@@ -12,9 +12,11 @@ one device in the collective, as in a SEND/RECV pair) or waits (seen with two de
 per process in the collective). What ends the wait is the coordination service of
 `jax.distributed`: it counts a process dead when its heartbeats stop for
 `heartbeat_timeout_s`, then aborts every survivor (SIGABRT, with a log line naming the
-dead task). JAX's default is 100 s; ours is 10 s, so a crashed rank ends a run in
-seconds even without `piper-launch` (which, besides, stops every rank as soon as one
-exits with an error). When process 0 (which hosts the service) dies, the others abort
+dead task). Inside a training step the step watchdog (mpmd_runtime/watchdog.py) reports
+first, as a PiperError naming the stuck instruction and the peer, after the step
+timeout (default 300 s); so the heartbeat default, 330 s, is only the backstop for a
+process that hangs outside a step. `piper-launch` besides stops every rank as soon as
+one exits with an error. When process 0 (which hosts the service) dies, the others abort
 within a second.
 
 # Note [a crashed rank]
@@ -49,7 +51,7 @@ LAUNCHER_ENV = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_LOCAL_DE
 PLATFORMS = ("cpu", "gpu")
 
 DEFAULT_TIMEOUT_S = 300.0
-DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = 330.0
 DEFAULT_SHUTDOWN_TIMEOUT_S = 300.0
 
 # JAX takes a process for a SLURM task when all of these are set (as in an srun step).
@@ -78,7 +80,7 @@ def initialize(
       timeout_s: how long to wait for all processes to connect (default 300 s).
       heartbeat_timeout_s: a process whose heartbeats stop for this long is counted dead
         and every other process is aborted (default: `PIPER_HEARTBEAT_TIMEOUT` if set,
-        else 10 s). See Note [a dead peer].
+        else 330 s). See Note [a dead peer].
       shutdown_timeout_s: how long a finishing process waits at exit for the others to
         finish too (default 300 s). See Note [a crashed rank].
 
