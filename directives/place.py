@@ -61,7 +61,13 @@ def apply_replicate(dag: TrainingDAG, directive: Replicate, num_devices: int) ->
                 "use the same devices in both"
             )
         dag.replace(
-            dataclasses.replace(node, devices=directive.devices, replicated=True, zero=stage)
+            dataclasses.replace(
+                node,
+                devices=directive.devices,
+                replicated=True,
+                zero=stage,
+                bucket_mb=directive.bucket_size,
+            )
         )
     return dag
 

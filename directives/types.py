@@ -90,7 +90,9 @@ class Replicate:
     Attributes:
       shard_grads: reduce-scatter gradients and shard optimizer state (ZeRO-1/2).
       shard_params: also keep parameters sharded, gathered around each use (ZeRO-3).
-      bucket_size: group gradient collectives into buckets of this many MB.
+      bucket_size: cut the gradient all-reduce into buckets of at most this many MB, so
+        each can start once the regions it serves finished their backward (plain
+        replicate; under ZeRO every backward reduce-scatters its own gradients).
       reduce_stream, gather_stream: logical streams of the gradient and parameter collectives.
     """
 
@@ -105,6 +107,11 @@ class Replicate:
     def __post_init__(self) -> None:
         object.__setattr__(self, "filter", check_filter(self.filter, "replicate"))
         object.__setattr__(self, "devices", check_devices(self.devices, "replicate"))
+        size = self.bucket_size
+        if size is not None and (
+            isinstance(size, bool) or not isinstance(size, int | float) or size <= 0
+        ):
+            raise DirectiveError(f"replicate: bucket_size must be a number of MB > 0, got {size!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,9 @@ gets its (zero-gradient) update, from the first region's UPD, as `jax.grad` woul
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 from piper_jax.ir.dag import Node, NodeKind, TrainingDAG
 from piper_jax.ir.errors import DirectiveError
 from piper_jax.ir.lift import LiftedLoss
@@ -72,6 +75,7 @@ def attach_updates(
     groups = region_groups(dag)
     replicated = {n.region: n.replicated for n in dag.compute_nodes()}
     zero = {n.region: n.zero for n in dag.compute_nodes()}
+    bucket = {n.region: n.bucket_mb for n in dag.compute_nodes()}
     grad_nodes: dict[int, list[int]] = {}
     for n in dag.compute_nodes():
         if n.pass_ in WEIGHT_GRAD_PASSES:
@@ -108,35 +112,42 @@ def attach_updates(
     for p, rs in users.items():
         union = tuple(dict.fromkeys(d for r in rs for d in groups[r]))
         by_union.setdefault(union, []).append(p)
-    for union, params in by_union.items():
-        ar = None
-        user_groups = {groups[r] for p in params for r in users[p]}
-        stages = {zero[r] for p in params for r in users[p]}
+    for union, all_params in by_union.items():
+        stages = {zero[r] for p in all_params for r in users[p]}
         if len(stages) > 1:
             raise DirectiveError(
-                f"parameters {[lifted.param_names[p] for p in params][:3]} are shared by "
+                f"parameters {[lifted.param_names[p] for p in all_params][:3]} are shared by "
                 "regions with different ZeRO settings; replicate them the same way"
             )
+        user_groups = {groups[r] for p in all_params for r in users[p]}
         # ZeRO groups reduce-scatter inside each backward; only ties across groups remain
-        needs_reduce = len(user_groups) > 1 if stages == {2} or stages == {3} else len(union) > 1
-        if needs_reduce:
-            ar = dag.add(
-                Node(
-                    dag.new_uid(),
-                    NodeKind.ALL_REDUCE,
-                    devices=union,
-                    stream=stream,
-                    params=tuple(params),
-                    zero=next(iter(stages)),
+        needs_reduce = len(user_groups) > 1 if stages - {0} else len(union) > 1
+        limits = {bucket[r] for p in all_params for r in users[p]} - {None}
+        buckets = (
+            _buckets(all_params, users, lifted, min(limits))
+            if needs_reduce and limits and not stages - {0}
+            else [all_params]
+        )
+        for params in buckets:
+            ar = None
+            if needs_reduce:
+                ar = dag.add(
+                    Node(
+                        dag.new_uid(),
+                        NodeKind.ALL_REDUCE,
+                        devices=union,
+                        stream=stream,
+                        params=tuple(params),
+                        zero=next(iter(stages)),
+                    )
                 )
-            )
-        for p in params:
-            for r in lifted.param_users(p):
-                for uid in grad_nodes[r]:
-                    dag.connect(uid, ar.uid if ar else upd_of[(p, groups[r])])
-            if ar:
-                for r in users[p]:
-                    dag.connect(ar.uid, upd_of[(p, groups[r])])
+            for p in params:
+                for r in lifted.param_users(p):
+                    for uid in grad_nodes[r]:
+                        dag.connect(uid, ar.uid if ar else upd_of[(p, groups[r])])
+                if ar:
+                    for r in users[p]:
+                        dag.connect(ar.uid, upd_of[(p, groups[r])])
     if global_norm:
         everything = tuple(dict.fromkeys(d for g in sorted(set(groups.values())) for d in g))
         norm = dag.add(Node(dag.new_uid(), NodeKind.ALL_REDUCE, devices=everything, stream=stream))
@@ -150,3 +161,25 @@ def attach_updates(
             ):
                 dag.connect(n.uid, norm.uid)
     return dag
+
+
+def _buckets(
+    params: list[int], users: dict[int, list[int]], lifted: LiftedLoss, limit_mb: float
+) -> list[list[int]]:
+    """Gradient all-reduce buckets of at most `limit_mb` (one parameter at least), filled
+    in the order backward finishes with them (the last region's first), so a bucket's
+    all-reduce can start as soon as the regions it serves are done."""
+    nbytes = {}
+    for region in lifted.regions:
+        for p, (shape, dtype) in zip(region.param_ids, region.in_shapes):
+            nbytes[p] = math.prod(shape) * np.dtype(dtype).itemsize
+    order = sorted(params, key=lambda p: (-min(users[p]), p))
+    out: list[list[int]] = [[]]
+    size = 0
+    for p in order:
+        if out[-1] and size + nbytes.get(p, 0) > limit_mb * 2**20:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += nbytes.get(p, 0)
+    return out

@@ -54,6 +54,8 @@ class Node:
       recompute: the region's forward is run again inside its backward (`recompute`).
       zero: 0, or the ZeRO stage of a replicated group: 2 (`shard_grads`) or 3
         (`shard_params`); see Note [ZeRO in piper-jax].
+      bucket_mb: `replicate(bucket_size=)`: gradient all-reduces of the region's group are
+        cut into buckets of at most this many MB.
       overlap: nodes sharing an id were named in one order group: they run as one unit,
         back to back, once all of them have their inputs (see directives/order.py).
     """
@@ -73,6 +75,7 @@ class Node:
     recompute: bool = False
     overlap: int | None = None
     zero: int = 0
+    bucket_mb: float | None = None
 
     @property
     def tags(self) -> dict[str, int | str]:

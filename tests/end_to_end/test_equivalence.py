@@ -88,3 +88,21 @@ def test_sgd_with_schedule_and_weight_decay() -> None:
         mlp_loss, StageMLP(2), opt, batches[0], pipeline(2, 2, schedules.gpipe, replicas=2)
     )
     assert_matches_reference(step, mlp_loss, lambda: StageMLP(2), opt, batches)
+
+
+def test_gradient_buckets() -> None:
+    """bucket_size cuts the all-reduce: one collective per bucket, the last region's
+    gradients first, and the same training."""
+    directives = [
+        piper.split({"PP": "*"}, num_microbatches=2),
+        piper.replicate({"PP": "*"}, [0, 1], bucket_size=0.001),
+    ]  # ~1 KB
+    batches = mlp_batches(3)
+    step = piper.compile(mlp_loss, StageMLP(2), OPT, batches[0], directives)
+    reduces = [n for n in step.dag.nodes.values() if n.kind.value == "ALL_REDUCE"]
+    assert len(reduces) > 1
+    names = [step.lifted.param_names[p] for p in min(reduces, key=lambda n: n.uid).params]
+    assert any("blocks" in n and "1" in n for n in names)  # the last stage's block first
+    assert_matches_reference(step, mlp_loss, lambda: StageMLP(2), OPT, batches)
+    with pytest.raises(piper.DirectiveError, match="bucket_size must be"):
+        piper.replicate({"PP": "*"}, [0, 1], bucket_size=0)
