@@ -20,37 +20,31 @@ def insert_transfers(dag: TrainingDAG) -> TrainingDAG:
             continue
         key = (src.uid, dst.devices)
         if key not in recv_of:
-            send = out.add(
-                Node(
-                    out.new_uid(),
-                    NodeKind.SEND,
-                    src.region,
-                    src.region_tags,
-                    microbatch=src.microbatch,
-                    devices=src.devices,
-                    replicated=src.replicated,
-                    stream=src.stream,
-                    peer=dst.devices,
-                    carries=src.uid,
-                )
-            )
-            recv = out.add(
-                Node(
-                    out.new_uid(),
-                    NodeKind.RECV,
-                    src.region,
-                    src.region_tags,
-                    microbatch=src.microbatch,
-                    devices=dst.devices,
-                    replicated=dst.replicated,
-                    stream=dst.stream,
-                    peer=src.devices,
-                    carries=src.uid,
-                )
-            )
+            send = _endpoint(out, NodeKind.SEND, src, src, dst.devices)
+            recv = _endpoint(out, NodeKind.RECV, src, dst, src.devices)
             out.connect(src.uid, send.uid)
             out.connect(send.uid, recv.uid)
             recv_of[key] = recv.uid
         out.edges.discard(e)
         out.connect(recv_of[key], dst.uid)
     return out
+
+
+def _endpoint(
+    dag: TrainingDAG, kind: NodeKind, carried: Node, side: Node, peer: tuple[int, ...]
+) -> Node:
+    """A SEND or RECV of `carried`'s outputs, on the device group of `side`."""
+    return dag.add(
+        Node(
+            dag.new_uid(),
+            kind,
+            carried.region,
+            carried.region_tags,
+            microbatch=carried.microbatch,
+            devices=side.devices,
+            replicated=side.replicated,
+            stream=side.stream,
+            peer=peer,
+            carries=carried.uid,
+        )
+    )
