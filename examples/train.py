@@ -14,7 +14,7 @@ import time
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=500, help="training steps")
+    parser.add_argument("--steps", type=int, default=1500, help="training steps")
     parser.add_argument("--batch-size", type=int, default=32, help="global batch size")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--pp", type=int, default=2, help="pipeline stages")
