@@ -20,7 +20,7 @@ SIZES = [
     "--layers", "4",
     "--seq-len", "128",
     "--batch-size", "32",
-    "--steps", "10",
+    "--steps", "30",
     "--warmup", "2",
 ]  # fmt: skip
 
