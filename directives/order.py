@@ -32,6 +32,9 @@ def apply_order(dag: TrainingDAG, directive: Order, index: int) -> TrainingDAG:
             f"{where} orders {na} on {list(a)} with {nb} on {list(b)}: an order runs on one "
             "device group; write one order directive per device group"
         )
+    for g, nodes in enumerate(groups):
+        if len(nodes) > 1:
+            _check_independent(dag, nodes, f"{where}: group {g}")
     next_overlap = 1 + max((n.overlap or 0 for n in dag.nodes.values()), default=0)
     for nodes in groups:
         if len(nodes) > 1:
@@ -47,3 +50,32 @@ def apply_order(dag: TrainingDAG, directive: Order, index: int) -> TrainingDAG:
                     dag.connect(a, b, EdgeKind.TEMPORAL)
     dag.check_acyclic(where)
     return dag
+
+
+def _check_independent(dag: TrainingDAG, nodes: dict, where: str) -> None:
+    """Nodes of one overlap group run as one program, so none may need another's output
+    (except a BW its own BI's, which the runtime runs as one backward)."""
+    succs: dict[int, list[int]] = {}
+    for e in dag.edges:
+        succs.setdefault(e.src, []).append(e.dst)
+    for start in nodes:
+        seen, stack = set(), list(succs.get(start, []))
+        while stack:
+            uid = stack.pop()
+            if uid in seen:
+                continue
+            seen.add(uid)
+            if uid in nodes and not _split_pair(dag.nodes[start], dag.nodes[uid]):
+                raise DirectiveError(
+                    f"{where} puts {dag.nodes[start]} and {dag.nodes[uid]} in one overlap "
+                    f"group, but {dag.nodes[uid]} needs {dag.nodes[start]}'s output: passes "
+                    "that overlap must be independent; put them in consecutive groups"
+                )
+            stack.extend(succs.get(uid, []))
+
+
+def _split_pair(a, b) -> bool:
+    return (a.pass_, b.pass_) == ("BI", "BW") and (a.region, a.microbatch) == (
+        b.region,
+        b.microbatch,
+    )

@@ -148,6 +148,7 @@ class Executor:
         )
         self._position = 0
         self.fused: list[str] = []  # overlap units bound as one program, for explain()
+        self._gather_programs: dict[Group, Callable] = {}
         self._witnesses: list[tuple[int, Any]] = []
         events = [(m, i) for m, i in plans.order if self._takes_part(m, i)]
         self.steps: list[Step] = [self._bind(members, index) for members, index in events]
@@ -174,7 +175,11 @@ class Executor:
         """One parameter's full value on this host, read from group g."""
         value = self.params[g][name]
         if self.zero[g] == 3:
-            full = jax.jit(lambda x: x, out_shardings=pg.replicated(self.meshes[g]))(value)
+            if g not in self._gather_programs:
+                self._gather_programs[g] = jax.jit(
+                    lambda x: x, out_shardings=pg.replicated(self.meshes[g])
+                )
+            full = self._gather_programs[g](value)
             rows = np.asarray(full.addressable_shards[0].data)
             return zero.from_shards(rows, self.param_avals[name][0])
         return np.asarray(value.addressable_shards[0].data)

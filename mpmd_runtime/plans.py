@@ -158,7 +158,7 @@ def schedule_nodes(dag: TrainingDAG, groups: list[Group]) -> dict[Group, list[in
                     ready[g].add(v)
 
     while remaining:
-        finished = []
+        finished, picked = [], False
         for g in groups:
             # transfers take no time here: a group goes on picking after a SEND or RECV
             while waiting[g] is None and ready[g]:
@@ -166,6 +166,7 @@ def schedule_nodes(dag: TrainingDAG, groups: list[Group]) -> dict[Group, list[in
                 if not candidates:
                     break
                 u = min(candidates, key=priority)
+                picked = True
                 if len(unit_of(u)) > 1:  # an overlap unit: all of it, back to back
                     for v in unit_of(u):
                         scheduled.add(v)
@@ -187,11 +188,7 @@ def schedule_nodes(dag: TrainingDAG, groups: list[Group]) -> dict[Group, list[in
                     finished.append(u)
                     break
                 finish(u)
-        if (
-            not finished
-            and remaining
-            and all(w is not None or not ready[g] for g, w in waiting.items())
-        ):
+        if not finished and not picked and remaining:
             stuck = {g: len(order[g]) for g in groups}
             raise PlanError(
                 "the DAG cannot be scheduled: no device group can make "

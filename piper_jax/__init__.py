@@ -54,7 +54,8 @@ def order(filters: Sequence[Any]) -> Order:
 
 
 def recompute(filter: dict) -> Recompute:
-    """Activation checkpointing (not supported by the compiler yet: refused at compile)."""
+    """Activation checkpointing: matched regions keep only their inputs and run their
+    forward again inside the backward."""
     return Recompute(filter)
 
 

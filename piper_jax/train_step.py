@@ -6,6 +6,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import flax
 import jax
 import numpy as np
 import optax
@@ -17,7 +18,7 @@ from piper_jax.directives import apply_directives, check_directives, num_microba
 from piper_jax.directives.types import Replicate
 from piper_jax.ir import attach_updates, build_dag, lift
 from piper_jax.ir.dag import NodeKind, TrainingDAG, group_str
-from piper_jax.ir.errors import BatchError, DirectiveError
+from piper_jax.ir.errors import AnnotationError, BatchError, DirectiveError
 from piper_jax.ir.lift import LiftedLoss
 from piper_jax.mpmd_runtime import Executor, Plans, compile_plans
 from piper_jax.mpmd_runtime.simulator import Simulation, simulate
@@ -32,6 +33,19 @@ def _leaf_names(tree: Any) -> tuple[list[str], list[Any], Any]:
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     names = [jax.tree_util.keystr(path).removesuffix(".value") for path, _ in leaves]
     return names, [leaf for _, leaf in leaves], treedef
+
+
+def _check_devices(devices: Sequence[Any]) -> list[jax.Device]:
+    devices = list(devices)
+    bad = [d for d in devices if not isinstance(d, jax.Device)]
+    if not devices or bad:
+        raise DirectiveError(
+            f"compile(devices=...) takes jax.Device objects (e.g. jax.devices()[:4]), got "
+            f"{bad[:3] if bad else devices!r}"
+        )
+    if len(set(devices)) != len(devices):
+        raise DirectiveError(f"compile(devices=...) names a device twice: {devices}")
+    return devices
 
 
 def _replica_count(directives: Sequence[Any]) -> int:
@@ -73,7 +87,7 @@ def compile(
     Returns:
       A TrainStep; call it with a global batch to run one training step.
     """
-    devices = list(jax.devices() if devices is None else devices)
+    devices = _check_devices(jax.devices() if devices is None else devices)
     directives = check_directives(directives)
     m = num_microbatches(directives)
     replicas = _replica_count(directives)
@@ -89,16 +103,23 @@ def compile(
         return loss_fn(nnx.merge(graphdef, p, rest), b)
 
     reset_annotation_counters()
-    lifted = lift(
-        flat_loss,
-        [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in param_leaves],
-        [
-            jax.ShapeDtypeStruct((local,) + np.shape(x)[1:], np.asarray(x).dtype)
-            for x in batch_leaves
-        ],
-        param_names,
-        batch_names,
-    )
+    try:
+        lifted = lift(
+            flat_loss,
+            [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in param_leaves],
+            [
+                jax.ShapeDtypeStruct((local,) + np.shape(x)[1:], np.asarray(x).dtype)
+                for x in batch_leaves
+            ],
+            param_names,
+            batch_names,
+        )
+    except flax.errors.TraceContextError as err:
+        raise AnnotationError(
+            "the model changes state other than its nnx.Param while computing the loss "
+            "(dropout RNG counters, BatchNorm statistics, ...): not supported yet; make the "
+            f"model deterministic for training with piper-jax ({err.__class__.__name__})"
+        ) from err
     dag = apply_directives(build_dag(lifted), lifted, directives, len(devices))
     upds = list(dag.of_kind(NodeKind.UPD))
     global_norm = plan_optimizer(
@@ -117,7 +138,13 @@ def compile(
         lifted,
         executor,
         (graphdef, param_treedef, rest),
-        (batch_treedef, batch_names, size, m * replicas),
+        (
+            batch_treedef,
+            batch_names,
+            size,
+            m * replicas,
+            [(np.shape(x), np.asarray(x).dtype) for x in batch_leaves],
+        ),
         timeout_s,
     )
 
@@ -139,7 +166,13 @@ class TrainStep:
         self.timeout_s = timeout_s
         self._executor = executor
         self._graphdef, self._param_treedef, self._rest = model_parts
-        self._batch_treedef, self._batch_names, self._batch_size, self._parts = batch_spec
+        (
+            self._batch_treedef,
+            self._batch_names,
+            self._batch_size,
+            self._parts,
+            self._batch_avals,
+        ) = batch_spec
 
     def __call__(self, batch: Any) -> dict[str, float]:
         return {"loss": self._executor.step(self._batch_leaves(batch), self.timeout_s)}
@@ -151,6 +184,13 @@ class TrainStep:
                 f"batch structure {treedef} differs from the example batch's {self._batch_treedef}"
             )
         leaves = [np.asarray(x) for x in leaves]
+        for name, leaf, (shape, dtype) in zip(self._batch_names, leaves, self._batch_avals):
+            if leaf.shape[1:] != shape[1:] or leaf.dtype != dtype:
+                raise BatchError(
+                    f"batch leaf {name} is {leaf.dtype}{list(leaf.shape)}, but the step was "
+                    f"compiled for {np.dtype(dtype)}{list(shape)}; keep every leaf's trailing "
+                    "shape and dtype, or compile again"
+                )
         size = _check_batch(leaves, self._batch_names, self._parts, "batch")
         if size != self._batch_size:
             raise BatchError(

@@ -134,3 +134,55 @@ def test_all_errors_are_value_errors() -> None:
     assert issubclass(piper.PiperError, ValueError)
     for cls in (piper.DirectiveError, piper.BatchError, piper.PlanError, piper.AnnotationError):
         assert issubclass(cls, piper.PiperError)
+
+
+def test_overlap_group_of_dependent_passes_refused() -> None:
+    """Passes in one order group run as one program: F1.0 cannot overlap F0.0, it needs
+    its output (this used to crash at the first step, and through another device, hang)."""
+    together = piper.order([[{"PP": 0, "MB": 0, "PASS": "F"}, {"PP": 1, "MB": 0, "PASS": "F"}]])
+    with pytest.raises(piper.DirectiveError, match="F1.0 needs F0.0's output"):
+        compile_mlp([piper.split({"PP": "*"}, num_microbatches=2), together])
+    with pytest.raises(piper.DirectiveError, match="B0.0 needs F0.0's output"):
+        compile_mlp(
+            [
+                piper.split({"PP": "*"}, num_microbatches=2),
+                piper.place({"PP": 0}, [0]),
+                piper.place({"PP": 1}, [1]),
+                piper.order([[{"PP": 0, "MB": 0}], [{"PP": 0, "MB": 1}]]),
+            ]
+        )
+
+
+def test_batch_with_other_trailing_shape_or_dtype() -> None:
+    step = compile_mlp([])
+    batch = mlp_batches(1)[0]
+    with pytest.raises(piper.BatchError, match=r"batch leaf \['x'\] is float32\[16, 5\]"):
+        step({"x": batch["x"][:, :5], "y": batch["y"]})
+    with pytest.raises(piper.BatchError, match="float64"):
+        step({"x": batch["x"].astype("float64"), "y": batch["y"]})
+
+
+def test_devices_must_be_jax_devices() -> None:
+    with pytest.raises(piper.DirectiveError, match="jax.Device objects"):
+        piper.compile(mlp_loss, StageMLP(2), OPT, mlp_batches(1)[0], [], devices=[0, 1])
+    import jax
+
+    with pytest.raises(piper.DirectiveError, match="names a device twice"):
+        piper.compile(
+            mlp_loss, StageMLP(2), OPT, mlp_batches(1)[0], [], devices=[jax.devices()[0]] * 2
+        )
+
+
+def test_model_with_mutable_state_refused() -> None:
+    from flax import nnx
+
+    class Dropped(StageMLP):
+        def __init__(self) -> None:
+            super().__init__(2)
+            self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(1))
+
+        def __call__(self, x):
+            return super().__call__(self.drop(x))
+
+    with pytest.raises(piper.AnnotationError, match="changes state other than its nnx.Param"):
+        piper.compile(mlp_loss, Dropped(), OPT, mlp_batches(1)[0], [])

@@ -106,3 +106,16 @@ def test_gradient_buckets() -> None:
     assert_matches_reference(step, mlp_loss, lambda: StageMLP(2), OPT, batches)
     with pytest.raises(piper.DirectiveError, match="bucket_size must be"):
         piper.replicate({"PP": "*"}, [0, 1], bucket_size=0)
+
+
+def test_clip_threshold_above_proxy_scale_still_global() -> None:
+    """A max_norm far above the optimizer check's proxies must still clip by the global
+    norm across stages (the check once missed it and each stage clipped alone)."""
+    opt = optax.chain(optax.clip_by_global_norm(100.0), optax.sgd(1e-3))
+    batches = mlp_batches(3)
+    for b in batches:
+        b["y"] = b["y"] * 300.0  # gradient norm about 600: the clip is active
+    step = piper.compile(
+        mlp_loss, StageMLP(2), opt, batches[0], pipeline(2, 2, schedules.one_f_one_b)
+    )
+    assert_matches_reference(step, mlp_loss, lambda: StageMLP(2), opt, batches)
