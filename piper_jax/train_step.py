@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -219,14 +220,15 @@ class TrainStep:
         """
         return simulate(self.dag, self.plans, costs or {"F": 1, "B": 2}, transfer_latency)
 
-    def measure_costs(self, batch: Any) -> dict[str, float]:
-        """Seconds per pass (and per op) from one instrumented step on `batch`, for
-        `simulate`: the mean over all instructions of each kind. Trains one step."""
-        events = self._executor.run_recorded(self._batch_leaves(batch))
-        totals: dict[str, list[float]] = {}
-        for e in events:
-            totals.setdefault(e.kind, []).append(e.end - e.start)
-        return {k: sum(v) / len(v) for k, v in totals.items() if k != "RECV"}
+    def measure_costs(self, batch: Any, repeats: int = 3) -> dict[str, float]:
+        """Seconds per pass (and per op) for `simulate`, from `repeats` instrumented steps
+        on `batch` (each trains a step): per kind, the median over all its instructions.
+        Call it after one ordinary step, so compilation is not measured."""
+        times: dict[str, list[float]] = {}
+        for _ in range(repeats):
+            for e in self._executor.run_recorded(self._batch_leaves(batch)):
+                times.setdefault(e.kind, []).append(e.end - e.start)
+        return {k: statistics.median(v) for k, v in times.items() if k != "RECV"}
 
     def timeline(
         self, path: str | os.PathLike, batch: Any = None, costs: Mapping[str, float] | None = None

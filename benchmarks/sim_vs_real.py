@@ -1,0 +1,66 @@
+"""Does the simulator predict the real step? Time each program once (`measure_costs`),
+simulate the plans with those costs, and compare with the measured step time, for
+GPipe and 1F1B on 2 virtual CPU devices in one process.
+
+Run: .venv/bin/python benchmarks/sim_vs_real.py [--width 1024] [--m 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_num_cpu_devices", 2)
+
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import piper_jax as piper  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from helpers import StageMLP, mlp_loss  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--m", type=int, default=8, help="microbatches")
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args(argv)
+    rng = np.random.default_rng(0)
+    batch = {k: rng.normal(size=(args.batch_size, 8)).astype(np.float32) for k in ("x", "y")}
+    print(f"{'schedule':<12}{'predicted ms':>14}{'measured ms':>13}{'error':>8}")
+    for name in ("gpipe", "one_f_one_b"):
+        directives = [
+            piper.split({"PP": "*"}, num_microbatches=args.m),
+            piper.place({"PP": 0}, [0]),
+            piper.place({"PP": 1}, [1]),
+            *getattr(piper.schedules, name)(2, args.m),
+        ]
+        step = piper.compile(
+            mlp_loss, StageMLP(2, width=args.width), optax.sgd(1e-3), batch, directives
+        )
+        step(batch)  # compile everything before measuring
+        predicted = step.simulate(step.measure_costs(batch)).step_time
+        times = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            step(batch)
+            times.append(time.perf_counter() - start)
+        measured = statistics.median(times)
+        print(
+            f"{name:<12}{predicted * 1e3:>14.1f}{measured * 1e3:>13.1f}"
+            f"{(predicted - measured) / measured:>+8.1%}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
