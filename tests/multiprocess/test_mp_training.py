@@ -93,3 +93,21 @@ def test_dead_or_stalled_peer_fails_the_step_with_a_piper_error(mode: str) -> No
             if p.poll() is None:
                 p.kill()
             p.communicate()
+
+
+def test_processes_with_different_plans_fail_at_start_up() -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "piper_jax.launch",
+        "--nprocs",
+        "2",
+        "--timeout",
+        "100",
+        os.path.join(HERE, "mismatch.py"),
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    out = result.stdout + result.stderr
+    assert result.returncode not in (0, 124), out[-3000:]
+    assert "process 1 compiled different plans than process 0" in out, out[-3000:]
+    assert "went unnoticed" not in out
