@@ -10,6 +10,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+import piper_jax as piper
 from piper_jax import annotate
 
 
@@ -79,6 +80,20 @@ def assert_matches_reference(
     assert len(got) == len(want)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6)
+
+
+def check_mlp_strategy(
+    directives: list,
+    optimizer: optax.GradientTransformation,
+    num_stages: int = 2,
+    batches: list | None = None,
+) -> Any:
+    """Compile StageMLP(num_stages) under `directives`, train it on `batches` (3 default
+    ones) and assert the single-device oracle; returns the step for further checks."""
+    batches = batches or mlp_batches(3)
+    step = piper.compile(mlp_loss, StageMLP(num_stages), optimizer, batches[0], directives)
+    assert_matches_reference(step, mlp_loss, lambda: StageMLP(num_stages), optimizer, batches)
+    return step
 
 
 def deadlocked_plans(step: Any) -> tuple[dict, dict]:

@@ -6,7 +6,7 @@ import json
 
 import optax
 import pytest
-from helpers import StageMLP, assert_matches_reference, mlp_batches, mlp_loss
+from helpers import check_mlp_strategy, mlp_batches
 
 import piper_jax as piper
 from piper_jax import schedules
@@ -37,9 +37,7 @@ STRATEGIES = {
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_strategy_matches_single_device(name: str) -> None:
     num_stages, directives = STRATEGIES[name]
-    batches = mlp_batches(3)
-    step = piper.compile(mlp_loss, StageMLP(num_stages), OPT, batches[0], directives())
-    assert_matches_reference(step, mlp_loss, lambda: StageMLP(num_stages), OPT, batches)
+    check_mlp_strategy(directives(), OPT, num_stages)
 
 
 def test_directives_from_reference_json(tmp_path) -> None:
@@ -63,31 +61,21 @@ def test_directives_from_reference_json(tmp_path) -> None:
     ]
     path = tmp_path / "strategy.json"
     path.write_text(json.dumps(strategy))
-    directives = piper.load_directives(path)
-    batches = mlp_batches(3)
-    step = piper.compile(mlp_loss, StageMLP(2), OPT, batches[0], directives)
-    assert_matches_reference(step, mlp_loss, lambda: StageMLP(2), OPT, batches)
+    step = check_mlp_strategy(piper.load_directives(path), OPT)
     plan = [str(i) for i in step.plans.plans[(2, 3)] if i.op == "RUN"]
     assert plan[:4] == ["F1.0", "B1.0", "F1.1", "B1.1"]
 
 
 def test_global_norm_clip_on_pipeline_matches_single_device() -> None:
-    opt = optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(1e-2, weight_decay=0.1))
-    batches = mlp_batches(3)
-    step = piper.compile(
-        mlp_loss, StageMLP(4), opt, batches[0], pipeline(4, 4, schedules.one_f_one_b)
-    )
-    assert_matches_reference(step, mlp_loss, lambda: StageMLP(4), opt, batches)
+    # sgd, not adam: adam is nearly blind to a wrong clip factor (see test_zero.py)
+    opt = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.5))
+    check_mlp_strategy(pipeline(4, 4, schedules.one_f_one_b), opt, num_stages=4)
 
 
 def test_sgd_with_schedule_and_weight_decay() -> None:
     """A learning-rate schedule and decoupled weight decay, on PP=2 x DP=2."""
     opt = optax.adamw(optax.linear_schedule(1e-2, 1e-3, 3), weight_decay=0.1)
-    batches = mlp_batches(3)
-    step = piper.compile(
-        mlp_loss, StageMLP(2), opt, batches[0], pipeline(2, 2, schedules.gpipe, replicas=2)
-    )
-    assert_matches_reference(step, mlp_loss, lambda: StageMLP(2), opt, batches)
+    check_mlp_strategy(pipeline(2, 2, schedules.gpipe, replicas=2), opt)
 
 
 def test_gradient_buckets() -> None:
@@ -97,13 +85,11 @@ def test_gradient_buckets() -> None:
         piper.split({"PP": "*"}, num_microbatches=2),
         piper.replicate({"PP": "*"}, [0, 1], bucket_size=0.001),
     ]  # ~1 KB
-    batches = mlp_batches(3)
-    step = piper.compile(mlp_loss, StageMLP(2), OPT, batches[0], directives)
+    step = check_mlp_strategy(directives, OPT)
     reduces = [n for n in step.dag.nodes.values() if n.kind.value == "ALL_REDUCE"]
     assert len(reduces) > 1
     names = [step.lifted.param_names[p] for p in min(reduces, key=lambda n: n.uid).params]
     assert any("blocks" in n and "1" in n for n in names)  # the last stage's block first
-    assert_matches_reference(step, mlp_loss, lambda: StageMLP(2), OPT, batches)
     with pytest.raises(piper.DirectiveError, match="bucket_size must be"):
         piper.replicate({"PP": "*"}, [0, 1], bucket_size=0)
 
@@ -115,7 +101,4 @@ def test_clip_threshold_above_proxy_scale_still_global() -> None:
     batches = mlp_batches(3)
     for b in batches:
         b["y"] = b["y"] * 300.0  # gradient norm about 600: the clip is active
-    step = piper.compile(
-        mlp_loss, StageMLP(2), opt, batches[0], pipeline(2, 2, schedules.one_f_one_b)
-    )
-    assert_matches_reference(step, mlp_loss, lambda: StageMLP(2), opt, batches)
+    check_mlp_strategy(pipeline(2, 2, schedules.one_f_one_b), opt, batches=batches)

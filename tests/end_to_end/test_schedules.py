@@ -6,7 +6,7 @@ import re
 
 import optax
 import pytest
-from helpers import StageMLP, assert_matches_reference, mlp_batches, mlp_loss
+from helpers import StageMLP, check_mlp_strategy, mlp_batches, mlp_loss
 
 import piper_jax as piper
 from piper_jax import schedules
@@ -62,9 +62,7 @@ STRATEGIES = {
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_schedule_matches_single_device(name: str) -> None:
     num_stages, directives = STRATEGIES[name]
-    batches = mlp_batches(3)
-    step = piper.compile(mlp_loss, StageMLP(num_stages), OPT, batches[0], directives())
-    assert_matches_reference(step, mlp_loss, lambda: StageMLP(num_stages), OPT, batches)
+    check_mlp_strategy(directives(), OPT, num_stages)
 
 
 def test_dualpipev_overlap_groups_put_forward_and_backward_side_by_side() -> None:

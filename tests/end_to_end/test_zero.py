@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import optax
 import pytest
-from helpers import StageMLP, assert_matches_reference, mlp_batches, mlp_loss, reference_run
+from helpers import StageMLP, check_mlp_strategy, mlp_batches, mlp_loss, reference_run
 
 import piper_jax as piper
 from piper_jax import schedules
@@ -39,9 +39,7 @@ def pp2_dp2(flags: dict) -> list:
 @pytest.mark.parametrize("layout", [dp4, pp2_dp2])
 @pytest.mark.parametrize("stage", sorted(ZERO))
 def test_zero_matches_single_device(stage: str, layout) -> None:
-    batches = mlp_batches(3)
-    step = piper.compile(mlp_loss, StageMLP(2), OPT, batches[0], layout(ZERO[stage]))
-    assert_matches_reference(step, mlp_loss, lambda: StageMLP(2), OPT, batches)
+    check_mlp_strategy(layout(ZERO[stage]), OPT)
 
 
 # Adam hides a wrong clip factor (it is nearly invariant to scaling its gradients); with
@@ -58,9 +56,7 @@ def test_the_clip_is_active() -> None:
 @pytest.mark.parametrize("layout", [dp4, pp2_dp2])
 @pytest.mark.parametrize("stage", sorted(ZERO))
 def test_global_norm_over_stages_and_shards(stage: str, layout) -> None:
-    batches = mlp_batches(3)
-    step = piper.compile(mlp_loss, StageMLP(2), CLIP_SGD, batches[0], layout(ZERO[stage]))
-    assert_matches_reference(step, mlp_loss, lambda: StageMLP(2), CLIP_SGD, batches)
+    check_mlp_strategy(layout(ZERO[stage]), CLIP_SGD)
 
 
 def memory(flags: dict) -> dict[str, int]:

@@ -14,7 +14,7 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from helpers import StageMLP, assert_matches_reference, mlp_batches, mlp_loss  # noqa: E402
+from helpers import check_mlp_strategy  # noqa: E402
 
 import piper_jax as piper  # noqa: E402
 from piper_jax import schedules  # noqa: E402
@@ -40,10 +40,7 @@ def strategy(name: str) -> tuple[int, list]:
 
 def main() -> None:
     num_stages, directives = strategy(sys.argv[1])
-    opt = optax.adam(1e-2)
-    batches = mlp_batches(3)
-    step = piper.compile(mlp_loss, StageMLP(num_stages), opt, batches[0], directives)
-    assert_matches_reference(step, mlp_loss, lambda: StageMLP(num_stages), opt, batches)
+    check_mlp_strategy(directives, optax.adam(1e-2), num_stages)
     print(f"ORACLE OK process {jax.process_index()} of {jax.process_count()}", flush=True)
 
 
