@@ -11,7 +11,7 @@ import dataclasses
 
 from piper_jax.directives.filters import filter_str, select
 from piper_jax.directives.types import Place, Replicate
-from piper_jax.ir.dag import NodeKind, TrainingDAG
+from piper_jax.ir.dag import TrainingDAG
 from piper_jax.ir.errors import DirectiveError
 
 
@@ -120,7 +120,3 @@ def check_placement(dag: TrainingDAG, placed: bool) -> TrainingDAG:
             "region must be replicated the same number of times"
         )
     return dag
-
-
-def num_replicas(dag: TrainingDAG) -> int:
-    return len(next(dag.of_kind(NodeKind.COMPUTE)).devices)

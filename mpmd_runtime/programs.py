@@ -12,7 +12,6 @@ the same code with R = 1.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 import jax
@@ -308,12 +307,6 @@ def square_norm_program(mesh: Mesh) -> Callable:
         return jnp.full((mesh.size,), square_norm(grads) / mesh.size)
 
     return jax.jit(partial_sums, out_shardings=stacked(mesh))
-
-
-def zeros_program(mesh: Mesh) -> Callable:
-    return jax.jit(
-        partial(_zeros_like_stacked, num_replicas=mesh.size), out_shardings=stacked(mesh)
-    )
 
 
 def _zeros_like_stacked(params: dict, num_replicas: int) -> dict:
