@@ -32,9 +32,10 @@ def apply_order(dag: TrainingDAG, directive: Order, index: int) -> TrainingDAG:
             f"{where} orders {na} on {list(a)} with {nb} on {list(b)}: an order runs on one "
             "device group; write one order directive per device group"
         )
+    succs = dag.adjacency()[1] if any(len(nodes) > 1 for nodes in groups) else {}
     for g, nodes in enumerate(groups):
         if len(nodes) > 1:
-            _check_independent(dag, nodes, f"{where}: group {g}")
+            _check_independent(dag, succs, nodes, f"{where}: group {g}")
     next_overlap = 1 + max((n.overlap or 0 for n in dag.nodes.values()), default=0)
     for nodes in groups:
         if len(nodes) > 1:
@@ -52,12 +53,11 @@ def apply_order(dag: TrainingDAG, directive: Order, index: int) -> TrainingDAG:
     return dag
 
 
-def _check_independent(dag: TrainingDAG, nodes: dict, where: str) -> None:
+def _check_independent(
+    dag: TrainingDAG, succs: dict[int, list[int]], nodes: dict, where: str
+) -> None:
     """Nodes of one overlap group run as one program, so none may need another's output
     (except a BW its own BI's, which the runtime runs as one backward)."""
-    succs: dict[int, list[int]] = {}
-    for e in dag.edges:
-        succs.setdefault(e.src, []).append(e.dst)
     for start in nodes:
         seen, stack = set(), list(succs.get(start, []))
         while stack:

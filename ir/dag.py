@@ -148,6 +148,19 @@ class TrainingDAG:
     def compute_nodes(self) -> Iterator[Node]:
         return self.of_kind(NodeKind.COMPUTE)
 
+    def adjacency(
+        self, kind: EdgeKind | None = None
+    ) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+        """(preds, succs) of every node in one pass over the edges, for passes that ask
+        for many nodes (`preds`/`succs` scan every edge per call)."""
+        preds: dict[int, list[int]] = {u: [] for u in self.nodes}
+        succs: dict[int, list[int]] = {u: [] for u in self.nodes}
+        for e in sorted(self.edges, key=lambda e: (e.src, e.dst)):
+            if kind in (None, e.kind):
+                preds[e.dst].append(e.src)
+                succs[e.src].append(e.dst)
+        return preds, succs
+
     def preds(self, uid: int, kind: EdgeKind | None = None) -> list[int]:
         return sorted(e.src for e in self.edges if e.dst == uid and kind in (None, e.kind))
 

@@ -114,13 +114,8 @@ def compile_plans(dag: TrainingDAG, batch_regions: set[int]) -> Plans:
 def schedule_nodes(dag: TrainingDAG, groups: list[Group]) -> dict[Group, list[int]]:
     """Per-group node order by lockstep list scheduling (one node per group per round)."""
     members = {u: member_groups(n, groups) for u, n in dag.nodes.items()}
-    missing = {u: 0 for u in dag.nodes}
-    succs: dict[int, list[int]] = defaultdict(list)
-    preds: dict[int, list[int]] = defaultdict(list)
-    for e in dag.edges:
-        missing[e.dst] += 1
-        succs[e.src].append(e.dst)
-        preds[e.dst].append(e.src)
+    preds, succs = dag.adjacency()
+    missing = {u: len(p) for u, p in preds.items()}
     ready: dict[Group, set[int]] = {g: set() for g in groups}
     for u, count in missing.items():
         if count == 0:
@@ -207,7 +202,8 @@ def sink_receives(dag: TrainingDAG, uids: list[int]) -> list[int]:
     acts like a posted receive).
     """
     recvs = {u for u in uids if dag.nodes[u].kind is NodeKind.RECV}
-    readers = {u: set(dag.succs(u)) for u in recvs}
+    succs = dag.adjacency()[1]
+    readers = {u: set(succs[u]) for u in recvs}
     out: list[int] = []
     pending: list[int] = []
     for i, u in enumerate(uids):
@@ -247,12 +243,15 @@ def to_instruction(dag: TrainingDAG, node: Node) -> Instruction:
     raise PlanError(f"{node}: {node.kind.value} nodes are not supported by the runtime yet")
 
 
-def buffer_reads(dag: TrainingDAG, node: Node, batch_regions: set[int]) -> list[str]:
-    """Labels of the buffers `node` reads on its own group (residuals excluded)."""
+def buffer_reads(
+    dag: TrainingDAG, node: Node, data_preds: list[int], batch_regions: set[int]
+) -> list[str]:
+    """Labels of the buffers `node` reads on its own group (residuals excluded), given
+    its data predecessors."""
     if node.kind not in (NodeKind.COMPUTE, NodeKind.SEND):
         return []
     reads = []
-    for p in dag.preds(node.uid, EdgeKind.DATA):
+    for p in data_preds:
         src = dag.nodes[p]
         if src.kind is NodeKind.RECV:
             src = dag.nodes[src.carries]
@@ -283,11 +282,13 @@ def insert_frees(
 ) -> tuple[dict[Group, list[Instruction]], dict[Group, list[int | None]]]:
     """A FREE after the last instruction of a group that reads (or else writes) a buffer."""
     new_plans, new_nodes = {}, {}
+    data_preds = dag.adjacency(EdgeKind.DATA)[0]
     for g, uids in nodes.items():
         last: dict[str, int] = {}
         for i, u in enumerate(uids):
             node = dag.nodes[u]
-            for label in buffer_writes(dag, node) + buffer_reads(dag, node, batch_regions):
+            reads = buffer_reads(dag, node, data_preds[u], batch_regions)
+            for label in buffer_writes(dag, node) + reads:
                 last[label] = i
         frees_after: dict[int, list[str]] = defaultdict(list)
         for label, i in last.items():
@@ -316,7 +317,7 @@ def dry_run(
     runs when every member group has reached it. Results count from the next round.
     """
     groups = sorted(plans)
-    preds = {u: dag.preds(u) for u in dag.nodes}
+    preds = dag.adjacency()[0]
     pc = {g: 0 for g in groups}
     rounds: dict[Group, list[int]] = {g: [-1] * len(plans[g]) for g in groups}
     done: set[int] = set()

@@ -177,10 +177,7 @@ def simulate(
         for u in plans.nodes[g]:
             if u is not None:
                 members.setdefault(u, []).append(g)
-    preds: dict[int, list[int]] = {u: [] for u in members}
-    for e in dag.edges:  # one pass: dag.preds(u) scans every edge
-        if e.dst in preds:
-            preds[e.dst].append(e.src)
+    preds = dag.adjacency()[0]
     pc = {g: 0 for g in groups}
     free_at = {g: 0.0 for g in groups}
     finish: dict[int, float] = {}
