@@ -182,7 +182,7 @@ class RegionPrograms:
         if self.zero != 3:
             outs, vjp = self._linearize(params, _unstack(batch), _unstack(acts))
             return _stack(outs), _stack(vjp)
-        full = [zero.gather_local(p, s) for p, s in zip(params, self.param_shapes)]
+        full = zero.gather_all(params, self.param_shapes)
         outs, vjp = self._linearize(full, _unstack(batch), _unstack(acts))
         leaves, treedef = jax.tree.flatten(vjp)
         slots = {j: i for j, leaf in enumerate(leaves) for i, f in enumerate(full) if leaf is f}
@@ -194,7 +194,7 @@ class RegionPrograms:
         """ZeRO-3 backward: regather the parameters F dropped from its residuals."""
         assert self._residual_layout is not None, "F runs (and is traced) before B"
         treedef, slots, n = self._residual_layout
-        full = [zero.gather_local(p, s) for p, s in zip(params, self.param_shapes)]
+        full = zero.gather_all(params, self.param_shapes)
         rest = iter(_unstack(kept))
         leaves = [full[slots[j]] if j in slots else next(rest) for j in range(n)]
         g_params, g_acts = jax.tree.unflatten(treedef, leaves)(self._seeds(_unstack(cots)))
@@ -202,10 +202,10 @@ class RegionPrograms:
 
     def _accumulate(self, acc: list, grads: Sequence[Any]) -> list:
         if self.zero:
-            return [
-                a + zero.scatter_local(g.astype(a.dtype), self.mesh.size)
-                for a, g in zip(acc, grads)
-            ]
+            shards = zero.scatter_all(
+                [g.astype(a.dtype) for a, g in zip(acc, grads)], self.mesh.size
+            )
+            return [a + s for a, s in zip(acc, shards)]
         return _accumulate(acc, grads)
 
     def _forward_only(self, params: list, batch: list, acts: list) -> list:
@@ -249,20 +249,31 @@ class RegionPrograms:
 
 
 def all_reduce_program(mesh: Mesh, groups: int | None = None) -> Callable:
-    """Sum per-device gradients stacked over `mesh`'s devices.
+    """Sum per-device gradients stacked over `mesh`'s devices, as one collective per dtype
+    over the concatenated gradients (Note [one collective for many parameters]).
 
     With `groups` None every device's value is summed and the result is replicated; with
     `groups` = G the devices are G equal groups of ZeRO shards, summed over groups row by
     row, and device i of every group keeps row i.
     """
     if groups is None:
-        return jax.jit(lambda xs: [x.sum(0) for x in xs], out_shardings=replicated(mesh))
+        groups, out_sharding = mesh.size, replicated(mesh)
+    else:
+        grid = Mesh(mesh.devices.reshape(groups, mesh.size // groups), ("g", AXIS))
+        out_sharding = NamedSharding(grid, P(AXIS))
     width = mesh.size // groups
-    grid = Mesh(mesh.devices.reshape(groups, width), ("g", AXIS))
-    return jax.jit(
-        lambda xs: [x.reshape((groups, width) + x.shape[1:]).sum(0) for x in xs],
-        out_shardings=NamedSharding(grid, P(AXIS)),
-    )
+
+    def reduce(xs: list) -> list:
+        out: list[Any] = [None] * len(xs)
+        for idx in zero.dtype_groups(xs):
+            rows = [xs[i].reshape(groups, width, -1) for i in idx]
+            total = jnp.concatenate(rows, axis=2).sum(0)  # (width, sum of sizes)
+            for i, part in zip(idx, zero.split_columns(total, [r.shape[2] for r in rows], 1)):
+                shape = xs[i].shape[1:] if width == 1 else (width,) + xs[i].shape[1:]
+                out[i] = part.reshape(shape)
+        return out
+
+    return jax.jit(reduce, out_shardings=out_sharding)
 
 
 def update_program(

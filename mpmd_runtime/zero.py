@@ -13,13 +13,21 @@ only the shards and all-gathers the full parameters inside every F and B program
 gathered parameter lives only as long as the program that uses it (residuals that are a
 parameter itself are dropped by F and regathered by B). Flat shards make the update
 elementwise-exact only for optimizers that treat every element alike (sgd, adam, adamw,
-schedules ...), which `check_optimizer_separable` verifies.
+schedules ...), which `piper_jax.optimizer_check.plan_optimizer` verifies.
+
+Note [one collective for many parameters]
+A program that gathers, reduce-scatters or all-reduces many parameters does it as one
+collective per dtype over their concatenation, not one per parameter (as FSDP's flat
+parameters and DDP's buckets do). Collectives cost a fixed latency each (a rendezvous of
+every device thread on CPU, a kernel launch and a ring set-up under NCCL), and a GPT
+block has a dozen parameters, so per-parameter collectives were most of ZeRO-3's
+overhead against pjit. The concatenation and the split back are local copies.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -51,15 +59,44 @@ def from_shards(rows: Any, shape: Shape) -> Any:
     return rows.reshape(-1)[: math.prod(shape)].reshape(shape)
 
 
-def gather_local(shard_row: jax.Array, shape: Shape) -> jax.Array:
-    """Inside shard_map: this replica's (1, k) shard -> the full parameter."""
-    return from_shards(jax.lax.all_gather(shard_row[0], AXIS, tiled=True), shape)
+def dtype_groups(xs: Sequence[jax.Array]) -> list[list[int]]:
+    """Positions of `xs` grouped by dtype: values of one dtype share one collective."""
+    groups: dict[Any, list[int]] = {}
+    for i, x in enumerate(xs):
+        groups.setdefault(x.dtype, []).append(i)
+    return list(groups.values())
 
 
-def scatter_local(grad: jax.Array, replicas: int) -> jax.Array:
-    """Inside shard_map: this replica's full gradient -> its (1, k) shard of the sum."""
-    flat = to_shards(grad, replicas).reshape(-1)
-    return jax.lax.psum_scatter(flat, AXIS, scatter_dimension=0, tiled=True)[None]
+def split_columns(rows: jax.Array, widths: Sequence[int], axis: int = 1) -> list[jax.Array]:
+    """Cut `rows` along `axis` into consecutive pieces of the given widths."""
+    offsets = np.cumsum([0, *widths])
+    return [jax.lax.slice_in_dim(rows, a, b, axis=axis) for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def gather_all(shard_rows: Sequence[jax.Array], shapes: Sequence[Shape]) -> list[jax.Array]:
+    """Inside shard_map: each replica's (1, k) shards -> the full parameters, with one
+    all-gather per dtype for all of them (Note [one collective for many parameters])."""
+    out: list[Any] = [None] * len(shard_rows)
+    for idx in dtype_groups(shard_rows):
+        flat = jnp.concatenate([shard_rows[i][0] for i in idx])
+        rows = jax.lax.all_gather(flat, AXIS)  # (R, sum of k)
+        widths = [shard_rows[i].shape[-1] for i in idx]
+        for i, part in zip(idx, split_columns(rows, widths)):
+            out[i] = from_shards(part, shapes[i])
+    return out
+
+
+def scatter_all(grads: Sequence[jax.Array], replicas: int) -> list[jax.Array]:
+    """Inside shard_map: this replica's full gradients -> its (1, k) shards of their sums
+    over the replicas, with one reduce-scatter per dtype."""
+    out: list[Any] = [None] * len(grads)
+    for idx in dtype_groups(grads):
+        parts = [to_shards(grads[i], replicas) for i in idx]
+        rows = jnp.concatenate(parts, axis=1)  # (R, sum of k)
+        mine = jax.lax.psum_scatter(rows, AXIS, scatter_dimension=0, tiled=True)
+        for i, part in zip(idx, split_columns(mine, [p.shape[1] for p in parts])):
+            out[i] = part
+    return out
 
 
 def _own_shard(full: jax.Array, replicas: int) -> jax.Array:
@@ -114,10 +151,9 @@ def update_program(
         if stage == 3:
             new_params = {n: s[None] for n, s in shards.items()}
         else:
-            new_params = {
-                n: from_shards(jax.lax.all_gather(s, AXIS, tiled=True), shapes[n])
-                for n, s in shards.items()
-            }
+            names = list(shards)
+            full = gather_all([shards[n][None] for n in names], [shapes[n] for n in names])
+            new_params = dict(zip(names, full))
         zeros = {n: jnp.zeros_like(s)[None] for n, s in shards.items()}
         return new_params, jax.tree.map(lambda x: jnp.expand_dims(x, 0), state), zeros
 
