@@ -276,7 +276,22 @@ class Executor:
         """Block until every instruction this process dispatched has finished. (A stalled
         peer is caught by the step watchdog, since the host may block in a collective.)"""
         leaves = [x for _, out in self._witnesses for x in jax.tree.leaves(out)]
-        jax.block_until_ready([x for x in leaves if not x.is_deleted()])
+        try:
+            jax.block_until_ready([x for x in leaves if not x.is_deleted()])
+        except Exception as err:  # a dispatched transfer or collective failed on the device
+            index = self._first_failure()
+            if index is None or not self._peers_of(index):
+                raise
+            raise PiperError(self._failure_message(index, f"failed: {err}")) from err
+
+    def _first_failure(self) -> int | None:
+        """The step position of the first dispatched instruction whose outputs failed."""
+        for i, out in self._witnesses:
+            try:
+                jax.block_until_ready([x for x in jax.tree.leaves(out) if not x.is_deleted()])
+            except Exception:
+                return i
+        return None
 
     def _peers_of(self, index: int) -> list[int]:
         """The other processes that instruction `index` of the step exchanges data with."""
