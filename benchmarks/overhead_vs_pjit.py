@@ -1,10 +1,11 @@
 """Per-step overhead of piper-jax next to one `jax.jit` step (pjit), on 4 virtual CPU devices.
 
 A thin wrapper around examples/compare_pjit.py with a GPT big enough that a pjit step
-takes a few hundred milliseconds on 4 CPU devices (measured: 280 ms for DP on a loaded
-2-core machine), so the ratio measures the runtime's overhead against real work, not
-against an empty step. The table and the ratio lines go to stdout; nothing is written to
-disk. Takes under a minute on 2 cores (two strategies, each built twice).
+takes a few hundred milliseconds on 4 CPU devices (200-280 ms on a shared 2-core
+machine), so the ratio measures the runtime's overhead against real work, not against an
+empty step. Each strategy runs 6 rounds of one block of steps per system (see
+`compare_pjit.race`). The table and the ratio lines go to stdout; nothing is written to
+disk. Takes about a minute on 2 cores.
 
 Run: .venv/bin/python benchmarks/overhead_vs_pjit.py [extra compare_pjit.py flags]
 """
@@ -20,7 +21,8 @@ SIZES = [
     "--layers", "4",
     "--seq-len", "128",
     "--batch-size", "32",
-    "--steps", "30",
+    "--steps", "5",
+    "--rounds", "6",
     "--warmup", "2",
 ]  # fmt: skip
 

@@ -1,15 +1,18 @@
 """piper-jax next to pjit: the example GPT trained under piper-jax DP and ZeRO-3, and under
 one `jax.jit` step with NamedShardings ("dp", "fsdp"), on N virtual CPU devices.
 
-Each step is built from a fresh model with the same seed and compiled once; after the
-warm-up steps the piper and pjit steps take turns on the same --steps batches, so the final
-losses should agree to ~1e-4. Prints step time (median), the piper/pjit ratio, final
-losses and per-device memory (MiB of params + optimizer state on the fullest device).
+Each step is built from a fresh model with the same seed and compiled once. After the
+warm-up steps come --rounds rounds; in each, piper and pjit in turn (the order alternating)
+run one untimed and --steps timed steps on the same batches, so their final losses should
+agree to ~1e-4. Prints step time (median), the piper/pjit ratio (the median over rounds of
+each round's ratio of block medians, with its range and the CPU-time ratio), final losses
+and per-device memory (MiB of params + optimizer state on the fullest device).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -25,13 +28,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=16, help="global batch size")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per block")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds of one block per system, order alternating"
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per run (>= 1)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.warmup < 1 or args.steps < 1:
-        parser.error("--warmup and --steps must be at least 1 (the first step compiles)")
+    if args.warmup < 1 or args.steps < 1 or args.rounds < 1:
+        parser.error("--warmup, --steps and --rounds must be at least 1 (the first step compiles)")
     return args
 
 
@@ -47,17 +53,46 @@ def start(build: Any, batches: list, warmup: int) -> tuple[Any, float]:
     return step, first
 
 
-def race(steps: dict[str, Any], batches: list) -> dict[str, tuple[float, float]]:
-    """{name: (median seconds per step, last loss)}, the steps taking turns on each batch so
-    that a change in machine load hits all of them alike."""
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    losses: dict[str, float] = {}
-    for batch in batches:
-        for name, step in steps.items():
-            t0 = time.perf_counter()
-            losses[name] = step(batch)["loss"]
-            times[name].append(time.perf_counter() - t0)
-    return {name: (statistics.median(times[name]), losses[name]) for name in steps}
+@dataclasses.dataclass
+class Race:
+    """Per-round block medians of two or more steps run on the same batches."""
+
+    seconds: dict[str, list[float]]  # name -> median wall seconds per step, one per round
+    cpu: dict[str, list[float]]  # name -> median process CPU seconds per step, per round
+    loss: dict[str, float]  # name -> loss of its last step
+
+    def ratio(self, name: str, base: str, clock: str = "wall") -> list[float]:
+        """`name`'s time over `base`'s, round by round."""
+        times = self.seconds if clock == "wall" else self.cpu
+        return [a / b for a, b in zip(times[name], times[base])]
+
+
+def race(steps: dict[str, Any], batches: list, rounds: int) -> Race:
+    """Run `rounds` rounds; in each, every step takes one untimed step and then the same
+    block of batches, the order of the steps alternating from round to round.
+
+    Blocks, not step-by-step turns: a step right after another system's step pays for
+    that system's allocations and cache state (page faults and cold caches on CPU were
+    worth 10-20% here), which no training run does; alternating the order and taking
+    the median over rounds still cancels the machine's drift in load.
+    """
+    seconds: dict[str, list[float]] = {name: [] for name in steps}
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
+    loss: dict[str, float] = {}
+    names = list(steps)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            step = steps[name]
+            step(batches[0])
+            wall, work = [], []
+            for batch in batches[1:]:
+                t0, c0 = time.perf_counter(), time.process_time()
+                loss[name] = step(batch)["loss"]
+                wall.append(time.perf_counter() - t0)
+                work.append(time.process_time() - c0)
+            seconds[name].append(statistics.median(wall))
+            cpu[name].append(statistics.median(work))
+    return Race(seconds, cpu, loss)
 
 
 def memory_str(step: Any) -> str:
@@ -89,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = dict(d_model=args.d_model, n_heads=args.heads, n_layers=args.layers)
     config = GPTConfig(seq_len=args.seq_len, num_stages=1, **sizes)
     stream = batches(encode(load_corpus(200_000)), args.batch_size, args.seq_len, args.seed)
-    data = [next(stream) for _ in range(args.warmup + args.steps)]
+    data = [next(stream) for _ in range(args.warmup + 1 + args.steps)]
     optimizer = optax.adamw(args.lr, weight_decay=0.01)
     devices = list(range(args.devices))
 
@@ -100,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"GPT d_model={args.d_model} layers={args.layers} seq={args.seq_len} "
         f"batch={args.batch_size}: {n_params / 1e6:.2f}M params on {args.devices} CPU devices; "
-        f"{args.warmup} warm-up + {args.steps} timed steps"
+        f"{args.warmup} warm-up steps, then {args.rounds} rounds of 1 + {args.steps} "
+        "steps per system"
     )
     zero3 = dict(shard_params=True, shard_grads=True)
     rows = [("DP", {}, "dp"), ("ZeRO-3/FSDP", zero3, "fsdp")]
@@ -110,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(header)
     print("-" * len(header))
-    ratios = []
+    block = data[args.warmup :]
+    summaries = []
     for name, flags, strategy in rows:
         base, base_first = start(
             lambda s=strategy: pjit_step(loss_fn, model(), optimizer, data[0], strategy=s),
@@ -125,28 +162,32 @@ def main(argv: list[str] | None = None) -> int:
                 args.warmup,
             )
         except piper.PiperError as e:
-            base_t, base_loss = race({"pjit": base}, data[args.warmup :])["pjit"]
+            result = race({"pjit": base}, block, args.rounds)
             message = str(e).splitlines()[0][:100]
             print(
-                f"{name:<13}{'n/a':>10}{base_t * 1e3:>10.1f}{'n/a':>8}{'n/a':>12}"
-                f"{base_loss:>12.5f}{'':>10}  n/a | {memory_str(base)}   (piper: n/a ({message}))"
+                f"{name:<13}{'n/a':>10}{statistics.median(result.seconds['pjit']) * 1e3:>10.1f}"
+                f"{'n/a':>8}{'n/a':>12}{result.loss['pjit']:>12.5f}{'':>10}  n/a | "
+                f"{memory_str(base)}   (piper: n/a ({message}))"
             )
             continue
-        timings = race({"piper": step, "pjit": base}, data[args.warmup :])
-        (piper_t, piper_loss), (base_t, base_loss) = timings["piper"], timings["pjit"]
-        ratio = piper_t / base_t
-        ratios.append((name, ratio, piper_t, base_t, piper_first, base_first))
+        result = race({"piper": step, "pjit": base}, block, args.rounds)
+        piper_t, base_t = (statistics.median(result.seconds[k]) for k in ("piper", "pjit"))
+        ratios = result.ratio("piper", "pjit")
+        piper_loss, base_loss = result.loss["piper"], result.loss["pjit"]
         print(
-            f"{name:<13}{piper_t * 1e3:>10.1f}{base_t * 1e3:>10.1f}{ratio:>7.2f}x"
+            f"{name:<13}{piper_t * 1e3:>10.1f}{base_t * 1e3:>10.1f}"
+            f"{statistics.median(ratios):>7.2f}x"
             f"{piper_loss:>12.5f}{base_loss:>12.5f}{abs(piper_loss - base_loss):>10.1e}"
             f"  {memory_str(step)} | {memory_str(base)}"
         )
-    for name, ratio, piper_t, base_t, piper_first, base_first in ratios:
-        print(
-            f"ratio {name}: piper/pjit = {ratio:.2f}x ({piper_t * 1e3:.1f} ms vs "
-            f"{base_t * 1e3:.1f} ms per step; build+compile+first step "
-            f"{piper_first:.1f}s vs {base_first:.1f}s)"
+        cpu = statistics.median(result.ratio("piper", "pjit", clock="cpu"))
+        summaries.append(
+            f"ratio {name}: piper/pjit = {statistics.median(ratios):.2f}x, median of "
+            f"{len(ratios)} rounds (range {min(ratios):.2f}-{max(ratios):.2f}x; "
+            f"CPU time {cpu:.2f}x); {piper_t * 1e3:.1f} ms vs {base_t * 1e3:.1f} ms per "
+            f"step; build+compile+first step {piper_first:.1f}s vs {base_first:.1f}s"
         )
+    print("\n".join(summaries))
     return 0
 
 

@@ -66,3 +66,23 @@ def test_main_job_runs_and_its_loss_falls() -> None:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "loss: first" in result.stdout
+
+
+def test_compare_pjit_reports_agreeing_losses_and_a_ratio_per_strategy() -> None:
+    """examples/compare_pjit.py (what benchmarks/overhead_vs_pjit.py runs), at toy size."""
+    flags = "--devices 2 --d-model 16 --layers 1 --heads 2 --seq-len 8 --batch-size 4"
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "compare_pjit.py")]
+        + (flags + " --steps 2 --rounds 2 --warmup 1").split(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    rows = {line.split()[0]: line.split() for line in lines if line.startswith(("DP ", "ZeRO-3"))}
+    assert set(rows) == {"DP", "ZeRO-3/FSDP"}, result.stdout
+    for row in rows.values():
+        piper_loss, pjit_loss = float(row[4]), float(row[5])
+        assert abs(piper_loss - pjit_loss) < 1e-4, result.stdout
+    assert result.stdout.count("median of 2 rounds") == 2, result.stdout
