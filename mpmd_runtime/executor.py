@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -22,8 +22,8 @@ from jax.experimental import multihost_utils
 from piper_jax.ir.dag import Node, NodeKind, TrainingDAG, group_str
 from piper_jax.ir.errors import PiperError
 from piper_jax.ir.lift import LiftedLoss, Region
+from piper_jax.mpmd_runtime import opt_layout, zero
 from piper_jax.mpmd_runtime import programs as pg
-from piper_jax.mpmd_runtime import zero
 from piper_jax.mpmd_runtime.instructions import ALL_REDUCE, FREE, RECV, RUN, SEND, UPD
 from piper_jax.mpmd_runtime.plans import Group, Plans
 from piper_jax.mpmd_runtime.simulator import TimelineEvent
@@ -380,6 +380,41 @@ class Executor:
                 values = multihost_utils.broadcast_one_to_all(values, is_source=mine)
             out.update({n: np.asarray(v) for n, v in values.items()})
         return out
+
+    def optimizer_state(self) -> dict[str, np.ndarray]:
+        """This process's optimizer state on the host, in the full single-device layout,
+        keyed by key path (Note [portable optimizer state])."""
+        full: dict[str, np.ndarray] = {}
+        for node in self.upd_nodes:
+            shapes = self._node_shapes(node)
+            full.update(
+                opt_layout.to_full(self.opt_state[node.uid], shapes, self.zero[node.devices])
+            )
+        return full
+
+    def load_state(
+        self, params: Mapping[str, np.ndarray], opt_state: Mapping[str, np.ndarray]
+    ) -> None:
+        """Replace every parameter copy and the optimizer state with full-layout host values."""
+        for g in self.local:
+            for name in self.params[g]:
+                value = np.asarray(params[name], self._param_dtype(name))
+                self.params[g][name] = self._place_param(g, value)
+        for node in self.upd_nodes:
+            g = node.devices
+            self.opt_state[node.uid] = opt_layout.from_full(
+                opt_state,
+                self.opt_state[node.uid],
+                self._node_shapes(node),
+                self.zero[g],
+                self.meshes[g],
+            )
+
+    def _node_shapes(self, node: Node) -> dict[str, tuple[int, ...]]:
+        return {
+            self.lifted.param_names[p]: self._param_shape(self.lifted.param_names[p])
+            for p in node.params
+        }
 
     def _param_shape(self, name: str) -> tuple[int, ...]:
         return self.param_avals[name][0]

@@ -13,6 +13,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from piper_jax import checkpoint
 from piper_jax.annotate import reset_annotation_counters
 from piper_jax.batching import check_batch_size
 from piper_jax.directives import apply_directives, check_directives, num_microbatches
@@ -209,6 +210,16 @@ class TrainStep:
     def model(self) -> nnx.Module:
         """An nnx model holding the current parameters."""
         return nnx.merge(self._graphdef, self.params(), self._rest)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write parameters and optimizer state as an orbax checkpoint in the new directory
+        `path`, in the single-device layout, so any directive list can restore it."""
+        checkpoint.save(self._executor, self.lifted.param_names, path)
+
+    def restore(self, path: str | os.PathLike) -> None:
+        """Load a checkpoint written by `save` of this model and optimizer, under any
+        directive list; the next step continues from it."""
+        checkpoint.restore(self._executor, self.lifted.param_names, path)
 
     def simulate(
         self, costs: Mapping[str, float] | None = None, transfer_latency: float = 0.0
