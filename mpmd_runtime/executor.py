@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import multihost_utils
+from jax.tree_util import keystr
 from piper_jax.ir.dag import Node, NodeKind, TrainingDAG, group_str
 from piper_jax.ir.errors import PiperError
 from piper_jax.ir.lift import LiftedLoss, Region
@@ -66,6 +67,7 @@ class Executor:
         global_norm: bool = False,
     ):
         self.dag, self.plans, self.lifted = dag, plans, lifted
+        self.optimizer = optimizer
         self.global_norm = global_norm
         self.groups: list[Group] = sorted(plans.plans)
         self.meshes = {g: pg.group_mesh([devices[i] for i in g]) for g in self.groups}
@@ -362,35 +364,61 @@ class Executor:
         """Every parameter's current value on the host of every process."""
         owner: dict[str, tuple[int, Group]] = {}
         for node in self.dag.of_kind(NodeKind.UPD):
-            process = min(d.process_index for d in self.meshes[node.devices].devices.flat)
+            process = self._owner_process(node)
             for p in node.params:
                 name = self.lifted.param_names[p]
                 owner[name] = min(owner.get(name, (process, node.devices)), (process, node.devices))
-        out: dict[str, np.ndarray] = {}
-        for process in sorted({p for p, _ in owner.values()}):
-            names = [n for n, (p, _) in owner.items() if p == process]
-            mine = jax.process_index() == process
-            values = {
-                n: self.host_param(owner[n][1], n)
-                if mine
-                else np.zeros(self._param_shape(n), self._param_dtype(n))
-                for n in names
-            }
-            if jax.process_count() > 1:
-                values = multihost_utils.broadcast_one_to_all(values, is_source=mine)
-            out.update({n: np.asarray(v) for n, v in values.items()})
-        return out
+        return self._share(
+            {n: p for n, (p, _) in owner.items()},
+            lambda n: self.host_param(owner[n][1], n),
+            self.param_avals,
+        )
 
     def optimizer_state(self) -> dict[str, np.ndarray]:
-        """This process's optimizer state on the host, in the full single-device layout,
+        """The optimizer state on the host of every process, in the single-device layout,
         keyed by key path (Note [portable optimizer state])."""
-        full: dict[str, np.ndarray] = {}
+
+        def key_paths(names: Sequence[str]) -> dict[str, tuple]:
+            shapes = {n: jax.ShapeDtypeStruct(*self.param_avals[n]) for n in names}
+            leaves = jax.tree_util.tree_flatten_with_path(
+                jax.eval_shape(self.optimizer.init, shapes)
+            )[0]
+            return {keystr(path): (leaf.shape, leaf.dtype) for path, leaf in leaves}
+
+        names = self.lifted.param_names
+        avals = key_paths(names)
+        owners: dict[str, int] = {}
+        for node in self.dag.of_kind(NodeKind.UPD):
+            for key in key_paths([names[p] for p in node.params]):
+                owners[key] = min(
+                    owners.get(key, self._owner_process(node)), self._owner_process(node)
+                )
+        local: dict[str, np.ndarray] = {}
         for node in self.upd_nodes:
-            shapes = self._node_shapes(node)
-            full.update(
-                opt_layout.to_full(self.opt_state[node.uid], shapes, self.zero[node.devices])
-            )
-        return full
+            state, stage = self.opt_state[node.uid], self.zero[node.devices]
+            local.update(opt_layout.to_full(state, self._node_shapes(node), stage))
+        return self._share(owners, local.__getitem__, avals)
+
+    def _owner_process(self, node: Node) -> int:
+        return min(d.process_index for d in self.meshes[node.devices].devices.flat)
+
+    def _share(
+        self,
+        owners: Mapping[str, int],
+        read: Callable[[str], np.ndarray],
+        avals: Mapping[str, tuple[tuple[int, ...], Any]],
+    ) -> dict[str, np.ndarray]:
+        """{key: value} on every process: each value is read on the process that `owners`
+        names and broadcast from there to the others."""
+        out: dict[str, np.ndarray] = {}
+        for process in sorted(set(owners.values())):
+            keys = [k for k, p in owners.items() if p == process]
+            mine = jax.process_index() == process
+            values = {k: read(k) if mine else np.zeros(*avals[k]) for k in keys}
+            if jax.process_count() > 1:
+                values = multihost_utils.broadcast_one_to_all(values, is_source=mine)
+            out.update({k: np.asarray(v) for k, v in values.items()})
+        return out
 
     def load_state(
         self, params: Mapping[str, np.ndarray], opt_state: Mapping[str, np.ndarray]

@@ -3,7 +3,9 @@
 Both are stored in the layout single-device training would have (full parameters;
 `optimizer.init` of the whole model, Note [portable optimizer state] in
 mpmd_runtime/opt_layout.py), so a checkpoint written under one directive list restores
-under any other: train with PP=2 x DP=2, resume on 4-way ZeRO-3. A JSON record of every
+under any other: train with PP=2 x DP=2, resume on 4-way ZeRO-3. On several processes
+every process calls save and restore (orbax writes the host values once and keeps the
+processes in step); the directory must be one that all of them see. A JSON record of every
 parameter and optimizer-state leaf (name, shape, dtype) travels with the arrays, so a
 checkpoint of another model or optimizer is refused naming the first leaf that differs.
 """
@@ -17,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from piper_jax.ir.errors import PiperError
 from piper_jax.mpmd_runtime.executor import Executor
@@ -28,19 +31,18 @@ def _describe(values: Mapping[str, np.ndarray]) -> list[list[Any]]:
     return [[key, list(np.shape(v)), np.asarray(v).dtype.name] for key, v in values.items()]
 
 
-def _check_one_process(what: str) -> None:
+def _barrier(name: str) -> None:
+    """On several processes: wait until every process got here (all see the same files)."""
     if jax.process_count() > 1:
-        raise PiperError(
-            f"step.{what} runs on one process for now ({jax.process_count()} here); "
-            "save from a single-process run, or gather with step.params() and save yourself"
-        )
+        multihost_utils.sync_global_devices(name)
 
 
 def save(executor: Executor, param_names: list[str], path: str | os.PathLike) -> None:
     """Write the step's parameters and optimizer state to the new directory `path`."""
-    _check_one_process("save")
     path = os.path.abspath(os.fspath(path))
-    if os.path.exists(path):
+    exists = os.path.exists(path)
+    _barrier(f"piper save {path}")  # every process looked before any writes
+    if exists:
         raise PiperError(f"step.save: {path} already exists; save each checkpoint to a new path")
     found = executor.gather_params()
     params = {name: found[name] for name in param_names}
@@ -54,7 +56,6 @@ def save(executor: Executor, param_names: list[str], path: str | os.PathLike) ->
 
 def restore(executor: Executor, param_names: list[str], path: str | os.PathLike) -> None:
     """Load a checkpoint written by `save` (under any directive list) into the step."""
-    _check_one_process("restore")
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         raise PiperError(f"step.restore: no checkpoint directory at {path}")

@@ -105,11 +105,3 @@ def test_restore_refuses_another_optimizer(tmp_path) -> None:
 def test_restore_of_a_missing_directory_is_a_piper_error(tmp_path) -> None:
     with pytest.raises(piper.PiperError, match="no checkpoint directory"):
         _compile([], optax.sgd(0.1)).restore(tmp_path / "nothing")
-
-
-def test_save_on_several_processes_is_refused_not_half_written(tmp_path, monkeypatch) -> None:
-    step = _compile([], optax.sgd(0.1))
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
-    with pytest.raises(piper.PiperError, match="one process"):
-        step.save(tmp_path / "ckpt")
-    assert not (tmp_path / "ckpt").exists()

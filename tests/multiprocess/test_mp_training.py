@@ -111,3 +111,9 @@ def test_processes_with_different_plans_fail_at_start_up() -> None:
     assert result.returncode not in (0, 124), out[-3000:]
     assert "process 1 compiled different plans than process 0" in out, out[-3000:]
     assert "went unnoticed" not in out
+
+
+def test_checkpoint_saved_on_two_processes_resumes_under_another_placement(tmp_path) -> None:
+    out = launch(2, 2, os.path.join(HERE, "checkpoint_check.py"), str(tmp_path))
+    for rank in range(2):
+        assert f"[rank {rank}] RESUMED OK process {rank} of 2" in out
