@@ -24,6 +24,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--explain", action="store_true", help="print the plans first")
+    parser.add_argument(
+        "--resume", metavar="DIR", help="start from a checkpoint of --save (any --pp/--dp)"
+    )
+    parser.add_argument("--save", metavar="DIR", help="write a checkpoint after the last step")
     return parser.parse_args(argv)
 
 
@@ -71,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.explain:
         print(step.explain())
+    if args.resume:
+        step.restore(args.resume)
+        print(f"resumed parameters and optimizer state from {args.resume}")
     losses = []
     with tqdm(range(args.steps), desc="train", unit="step") as bar:
         for _ in bar:
@@ -80,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     first = sum(losses[:window]) / window
     last = sum(losses[-window:]) / window
     print(f"loss: first {window} steps {first:.3f} -> last {window} steps {last:.3f}")
-    if not last < first:
+    if args.save:
+        step.save(args.save)
+        print(f"saved parameters and optimizer state to {args.save}")
+    if not last < first and not args.resume:  # a resumed run may start on a plateau
         print("the loss did not fall", file=sys.stderr)
         return 1
     return 0

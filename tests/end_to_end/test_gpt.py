@@ -86,3 +86,30 @@ def test_compare_pjit_reports_agreeing_losses_and_a_ratio_per_strategy() -> None
         piper_loss, pjit_loss = float(row[4]), float(row[5])
         assert abs(piper_loss - pjit_loss) < 1e-4, result.stdout
     assert result.stdout.count("median of 2 rounds") == 2, result.stdout
+
+
+def _train(*flags: str) -> tuple[float, float]:
+    """Run the main job with `flags`; (mean loss of its first steps, of its last steps)."""
+    script = os.path.join(ROOT, "examples", "train.py")
+    result = subprocess.run(
+        [sys.executable, script, "--batch-size", "16", *flags],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    line = next(x for x in result.stdout.splitlines() if x.startswith("loss: first"))
+    return float(line.split()[4]), float(line.split()[-1])
+
+
+def test_main_job_resumes_from_its_checkpoint_under_another_strategy(tmp_path) -> None:
+    """--save under PP=2 x DP=2, --resume under PP=1 x DP=2: the resumed run starts near
+    where the first one ended, far below a fresh start. (Exact resumption is checked
+    against the reference in test_checkpoint.py; this checks the main job's flags.)"""
+    fresh_first, trained_last = _train("--steps", "30", "--save", str(tmp_path / "ckpt"))
+    resumed_first, _ = _train(
+        "--steps", "5", "--pp", "1", "--dp", "2", "--resume", str(tmp_path / "ckpt")
+    )
+    numbers = (fresh_first, trained_last, resumed_first)
+    assert trained_last < fresh_first - 0.5, numbers
+    assert resumed_first < fresh_first - 0.5, numbers  # a fresh start would be near fresh_first
