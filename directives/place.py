@@ -101,10 +101,10 @@ def check_placement(dag: TrainingDAG, placed: bool) -> TrainingDAG:
                 "every region on one group with the same shard_grads/shard_params"
             )
     for n in nodes:
-        if n.zero == 3 and (n.recompute or n.pass_ in ("BI", "BW")):
+        if n.zero == 3 and n.pass_ in ("BI", "BW"):
             raise DirectiveError(
-                f"region {dict(n.region_tags)}: shard_params (ZeRO-3) together with "
-                "recompute or a BI/BW schedule is not supported yet"
+                f"region {dict(n.region_tags)}: shard_params (ZeRO-3) together with a "
+                "BI/BW (zero-bubble) schedule is not supported yet"
             )
     for i, a in enumerate(groups):
         for b in groups[i + 1 :]:

@@ -104,20 +104,20 @@ class RegionPrograms:
         self.mapped: dict[str, tuple[Callable, int | None]] = {}
         if mode == "recompute":
             self.mapped["F"] = (
-                _shard(self._forward_only, mesh, (P(), P(AXIS), P(AXIS)), P(AXIS)),
+                _shard(self._forward_only, mesh, plain_params + (P(AXIS), P(AXIS)), P(AXIS)),
                 None,
             )
             self.mapped["B"] = (
                 _shard(
                     self._recompute_backward,
                     mesh,
-                    (P(),) + stacked3 + (P(AXIS),),
+                    plain_params + stacked3 + (P(AXIS),),
                     (P(AXIS), P(AXIS)),
                 ),
                 4,
             )
         elif zero == 3:
-            assert mode == "plain", "ZeRO-3 regions are refused with recompute/BI-BW upstream"
+            assert mode == "plain", "ZeRO-3 regions are refused with BI/BW upstream"
             self.mapped["F"] = (_shard(self._forward, mesh, stacked3, P(AXIS)), None)
             self.mapped["B"] = (
                 _shard(self._backward_gathered, mesh, stacked3 + (P(AXIS),), (P(AXIS), P(AXIS))),
@@ -182,7 +182,7 @@ class RegionPrograms:
         if self.zero != 3:
             outs, vjp = self._linearize(params, _unstack(batch), _unstack(acts))
             return _stack(outs), _stack(vjp)
-        full = zero.gather_all(params, self.param_shapes)
+        full = self._full_params(params)
         outs, vjp = self._linearize(full, _unstack(batch), _unstack(acts))
         leaves, treedef = jax.tree.flatten(vjp)
         slots = {j: i for j, leaf in enumerate(leaves) for i, f in enumerate(full) if leaf is f}
@@ -194,7 +194,7 @@ class RegionPrograms:
         """ZeRO-3 backward: regather the parameters F dropped from its residuals."""
         assert self._residual_layout is not None, "F runs (and is traced) before B"
         treedef, slots, n = self._residual_layout
-        full = zero.gather_all(params, self.param_shapes)
+        full = self._full_params(params)
         rest = iter(_unstack(kept))
         leaves = [full[slots[j]] if j in slots else next(rest) for j in range(n)]
         g_params, g_acts = jax.tree.unflatten(treedef, leaves)(self._seeds(_unstack(cots)))
@@ -208,8 +208,13 @@ class RegionPrograms:
             return [a + s for a, s in zip(acc, shards)]
         return _accumulate(acc, grads)
 
+    def _full_params(self, params: list) -> list:
+        """The region's full parameters: all-gathered from the shards under ZeRO-3."""
+        return zero.gather_all(params, self.param_shapes) if self.zero == 3 else params
+
     def _forward_only(self, params: list, batch: list, acts: list) -> list:
-        return _stack(self.region.fn(params, _unstack(batch), _unstack(acts)))
+        full = self._full_params(params)
+        return _stack(self.region.fn(full, _unstack(batch), _unstack(acts)))
 
     def _backward(self, vjp: Any, cots: dict, acc: list) -> tuple:
         g_params, g_acts = _unstack(vjp)(self._seeds(_unstack(cots)))
@@ -218,7 +223,7 @@ class RegionPrograms:
     def _recompute_backward(
         self, params: list, batch: list, acts: list, cots: dict, acc: list
     ) -> tuple:
-        _, vjp = self._linearize(params, _unstack(batch), _unstack(acts))
+        _, vjp = self._linearize(self._full_params(params), _unstack(batch), _unstack(acts))
         g_params, g_acts = vjp(self._seeds(_unstack(cots)))
         return _stack(list(g_acts)), self._accumulate(acc, g_params)
 

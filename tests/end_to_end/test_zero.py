@@ -79,12 +79,25 @@ def test_zero_memory_per_device() -> None:
     assert zero3["activations"] < dp["activations"]  # no gathered weight kept as residual
 
 
-def test_zero3_with_recompute_is_refused() -> None:
-    with pytest.raises(piper.DirectiveError, match="shard_params.*recompute"):
+@pytest.mark.parametrize("layout", [dp4, pp2_dp2])
+def test_zero3_with_recompute_matches_single_device(layout) -> None:
+    """F keeps only the region inputs and B gathers the parameters again to recompute."""
+    step = check_mlp_strategy(layout(ZERO["zero3"]) + [piper.recompute({"PP": "*"})], OPT)
+    assert all(n.recompute for n in step.dag.compute_nodes() if n.pass_ == "B")
+
+
+def test_zero3_with_a_zero_bubble_schedule_is_refused() -> None:
+    directives = [piper.split({"PP": "*"}, num_microbatches=2)]
+    for s in range(2):
+        directives += [
+            piper.place({"PP": s}, [s, s + 2]),
+            piper.replicate({"PP": s}, [s, s + 2], **ZERO["zero3"]),
+        ]
+    with pytest.raises(piper.DirectiveError, match="shard_params.*BI/BW"):
         piper.compile(
             mlp_loss,
             StageMLP(2),
             OPT,
             mlp_batches(1)[0],
-            dp4(ZERO["zero3"]) + [piper.recompute({"PP": 0})],
+            directives + schedules.zero_bubble_h1(2, 2),
         )
