@@ -100,12 +100,6 @@ def check_placement(dag: TrainingDAG, placed: bool) -> TrainingDAG:
                 f"device group {list(g)} mixes ZeRO settings {sorted(stages)}: replicate "
                 "every region on one group with the same shard_grads/shard_params"
             )
-    for n in nodes:
-        if n.zero == 3 and n.pass_ in ("BI", "BW"):
-            raise DirectiveError(
-                f"region {dict(n.region_tags)}: shard_params (ZeRO-3) together with a "
-                "BI/BW (zero-bubble) schedule is not supported yet"
-            )
     for i, a in enumerate(groups):
         for b in groups[i + 1 :]:
             if set(a) & set(b):

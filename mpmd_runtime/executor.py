@@ -618,14 +618,18 @@ class Executor:
                 store[label], store[cross] = out
                 return store[cross] or store[label]
 
-            return RunPart(programs, "BI", lambda: (store[res], cotangents()), scatter_bi)
+            def gather_bi() -> tuple:
+                shards = ([params[n] for n in names],) if gathered else ()
+                return (*shards, store[res], cotangents())
+
+            return RunPart(programs, "BI", gather_bi, scatter_bi)
         assert pass_ == "BW", pass_
-        return RunPart(
-            programs,
-            "BW",
-            lambda: (store.pop(res), store.pop(cross), [acc[n] for n in names]),
-            accumulated,
-        )
+
+        def gather_bw() -> tuple:
+            shards = ([params[n] for n in names],) if gathered else ()
+            return (*shards, store.pop(res), store.pop(cross), [acc[n] for n in names])
+
+        return RunPart(programs, "BW", gather_bw, accumulated)
 
     def _cotangent_inputs(self, region: Region, mb: int) -> list[tuple[int, str]]:
         sources = pg.cotangent_sources(self.lifted, region)

@@ -117,7 +117,6 @@ class RegionPrograms:
                 4,
             )
         elif zero == 3:
-            assert mode == "plain", "ZeRO-3 regions are refused with BI/BW upstream"
             self.mapped["F"] = (_shard(self._forward, mesh, stacked3, P(AXIS)), None)
             self.mapped["B"] = (
                 _shard(self._backward_gathered, mesh, stacked3 + (P(AXIS),), (P(AXIS), P(AXIS))),
@@ -129,13 +128,17 @@ class RegionPrograms:
                 None,
             )
             self.mapped["B"] = (_shard(self._backward, mesh, stacked3, (P(AXIS), P(AXIS))), 2)
-        if mode == "split":
+        if mode == "split":  # under ZeRO-3, BI and BW take the parameter shards first
             self._bi, self._bw = self._split_backward()
+            extra = (P(AXIS),) if zero == 3 else ()
             self.mapped["BI"] = (
-                _shard(self._backward_input, mesh, (P(AXIS), P(AXIS)), (P(AXIS), P(AXIS))),
+                _shard(self._backward_input, mesh, extra + (P(AXIS), P(AXIS)), (P(AXIS), P(AXIS))),
                 None,
             )
-            self.mapped["BW"] = (_shard(self._backward_weight, mesh, stacked3, P(AXIS)), 2)
+            self.mapped["BW"] = (
+                _shard(self._backward_weight, mesh, extra + stacked3, P(AXIS)),
+                len(extra) + 2,
+            )
         self._jitted = {
             name: jax.jit(fn, donate_argnums=() if donate is None else (donate,))
             for name, (fn, donate) in self.mapped.items()
@@ -190,14 +193,20 @@ class RegionPrograms:
         kept = [leaf for j, leaf in enumerate(leaves) if j not in slots]
         return _stack(outs), _stack(kept)
 
-    def _backward_gathered(self, params: list, kept: list, cots: dict, acc: list) -> tuple:
-        """ZeRO-3 backward: regather the parameters F dropped from its residuals."""
+    def _regathered(self, params: list, kept: list) -> list:
+        """ZeRO-3: the VJP residual leaves of F, with the parameters it dropped gathered
+        again from their shards."""
         assert self._residual_layout is not None, "F runs (and is traced) before B"
-        treedef, slots, n = self._residual_layout
+        _, slots, n = self._residual_layout
         full = self._full_params(params)
         rest = iter(_unstack(kept))
-        leaves = [full[slots[j]] if j in slots else next(rest) for j in range(n)]
-        g_params, g_acts = jax.tree.unflatten(treedef, leaves)(self._seeds(_unstack(cots)))
+        return [full[slots[j]] if j in slots else next(rest) for j in range(n)]
+
+    def _backward_gathered(self, params: list, kept: list, cots: dict, acc: list) -> tuple:
+        """ZeRO-3 backward: regather the parameters F dropped from its residuals."""
+        treedef = self._residual_layout[0]
+        vjp = jax.tree.unflatten(treedef, self._regathered(params, kept))
+        g_params, g_acts = vjp(self._seeds(_unstack(cots)))
         return _stack(list(g_acts)), self._accumulate(acc, g_params)
 
     def _accumulate(self, acc: list, grads: Sequence[Any]) -> list:
@@ -242,14 +251,25 @@ class RegionPrograms:
         bi, bw, self.num_cross = split_backward(closed, n_p, len(jax.tree.leaves(vjp)))
         return bi, bw
 
-    def _backward_input(self, vjp: Any, cots: dict) -> tuple:
-        res = jax.tree.leaves(_unstack(vjp))
-        outs = self._bi(*res, *self._seeds(_unstack(cots)))
+    def _residual_leaves(self, kept: tuple) -> list:
+        """F's residual leaves from what BI/BW take first: (vjp,), or under ZeRO-3
+        (parameter shards, residuals without the parameters)."""
+        if self.zero == 3:
+            return self._regathered(*kept)
+        (vjp,) = kept
+        return jax.tree.leaves(_unstack(vjp))
+
+    def _backward_input(self, *args: Any) -> tuple:
+        """(vjp, cots), or (params, kept, cots) under ZeRO-3 -> (input grads, cross)."""
+        *kept, cots = args
+        outs = self._bi(*self._residual_leaves(kept), *self._seeds(_unstack(cots)))
         n_acts = len(outs) - self.num_cross
         return _stack(outs[:n_acts]), _stack(outs[n_acts:])
 
-    def _backward_weight(self, vjp: Any, cross: list, acc: list) -> list:
-        g_params = self._bw(*jax.tree.leaves(_unstack(vjp)), *_unstack(cross))
+    def _backward_weight(self, *args: Any) -> list:
+        """(vjp, cross, acc), or (params, kept, cross, acc) under ZeRO-3 -> accumulators."""
+        *kept, cross, acc = args
+        g_params = self._bw(*self._residual_leaves(kept), *_unstack(cross))
         return self._accumulate(acc, g_params)
 
 

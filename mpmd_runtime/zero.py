@@ -11,8 +11,9 @@ volume). The optimizer updates the owned shard with shard-shaped state (1/R), th
 ZeRO-2 all-gathers the updated shards into full replicated parameters; ZeRO-3 keeps
 only the shards and all-gathers the full parameters inside every F and B program, so a
 gathered parameter lives only as long as the program that uses it (residuals that are a
-parameter itself are dropped by F and regathered by B; under `recompute` F keeps only
-the region's inputs and B gathers the parameters to run the forward again). Flat shards
+parameter itself are dropped by F and regathered by B, or by both BI and BW when the
+backward is split; under `recompute` F keeps only the region's inputs and B gathers the
+parameters to run the forward again). Flat shards
 make the update elementwise-exact only for optimizers that treat every element alike
 (sgd, adam, adamw, schedules ...), which `piper_jax.optimizer_check.plan_optimizer` verifies.
 

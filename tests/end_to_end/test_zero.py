@@ -86,18 +86,34 @@ def test_zero3_with_recompute_matches_single_device(layout) -> None:
     assert all(n.recompute for n in step.dag.compute_nodes() if n.pass_ == "B")
 
 
-def test_zero3_with_a_zero_bubble_schedule_is_refused() -> None:
-    directives = [piper.split({"PP": "*"}, num_microbatches=2)]
+def _zb_h1(flags: dict) -> tuple[int, list]:
+    directives = [piper.split({"PP": "*"}, num_microbatches=4)]
     for s in range(2):
         directives += [
             piper.place({"PP": s}, [s, s + 2]),
-            piper.replicate({"PP": s}, [s, s + 2], **ZERO["zero3"]),
+            piper.replicate({"PP": s}, [s, s + 2], **flags),
         ]
-    with pytest.raises(piper.DirectiveError, match="shard_params.*BI/BW"):
-        piper.compile(
-            mlp_loss,
-            StageMLP(2),
-            OPT,
-            mlp_batches(1)[0],
-            directives + schedules.zero_bubble_h1(2, 2),
-        )
+    return 2, directives + schedules.zero_bubble_h1(2, 4)
+
+
+def _dualpipev(flags: dict) -> tuple[int, list]:
+    """2 ranks of 2 replicas each; rank r holds stages r and 3 - r."""
+    directives = [piper.split({"PP": "*"}, num_microbatches=4)]
+    for s in range(4):
+        rank = min(s, 3 - s)
+        directives += [
+            piper.place({"PP": s}, [rank, rank + 2]),
+            piper.replicate({"PP": s}, [rank, rank + 2], **flags),
+        ]
+    return 4, directives + schedules.dualpipev(2, 4)
+
+
+@pytest.mark.parametrize("layout", [_zb_h1, _dualpipev], ids=["zb_h1", "dualpipev"])
+@pytest.mark.parametrize("stage", sorted(ZERO))
+def test_zero_with_split_backward_schedules_matches_single_device(stage: str, layout) -> None:
+    """ZB-H1 and DualPipeV split each backward into BI and BW (DualPipeV also fuses F&B
+    pairs into one program); under ZeRO-3 both BI and BW gather the parameters F dropped,
+    and BW reduce-scatters the weight gradients."""
+    num_stages, directives = layout(ZERO[stage])
+    step = check_mlp_strategy(directives, OPT, num_stages)
+    assert {n.pass_ for n in step.dag.compute_nodes()} >= {"BI", "BW"}
