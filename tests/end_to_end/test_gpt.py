@@ -113,3 +113,20 @@ def test_main_job_resumes_from_its_checkpoint_under_another_strategy(tmp_path) -
     numbers = (fresh_first, trained_last, resumed_first)
     assert trained_last < fresh_first - 0.5, numbers
     assert resumed_first < fresh_first - 0.5, numbers  # a fresh start would be near fresh_first
+
+
+def test_gpu_check_script_runs_on_the_cpu_and_both_steps_agree() -> None:
+    """benchmarks/gpu_step.py --cpu-smoke: the one-GPU check itself, on a tiny config."""
+    script = os.path.join(ROOT, "benchmarks", "gpu_step.py")
+    result = subprocess.run(
+        [sys.executable, script, "--cpu-smoke"], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    losses = {
+        line.split()[0]: float(line.split()[-1])
+        for line in result.stdout.splitlines()
+        if line.startswith(("pjit ", "piper "))
+    }
+    assert set(losses) == {"pjit", "piper"}, result.stdout
+    assert abs(losses["pjit"] - losses["piper"]) < 1e-4, result.stdout
+    assert "ratio piper/pjit" in result.stdout
