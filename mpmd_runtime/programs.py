@@ -281,6 +281,7 @@ def all_reduce_program(mesh: Mesh, groups: int | None = None) -> Callable:
     `groups` = G the devices are G equal groups of ZeRO shards, summed over groups row by
     row, and device i of every group keeps row i.
     """
+    keep_rows = groups is not None  # ZeRO: every device keeps its row, even of width 1
     if groups is None:
         groups, out_sharding = mesh.size, replicated(mesh)
     else:
@@ -294,7 +295,7 @@ def all_reduce_program(mesh: Mesh, groups: int | None = None) -> Callable:
             rows = [xs[i].reshape(groups, width, -1) for i in idx]
             total = jnp.concatenate(rows, axis=2).sum(0)  # (width, sum of sizes)
             for i, part in zip(idx, zero.split_columns(total, [r.shape[2] for r in rows], 1)):
-                shape = xs[i].shape[1:] if width == 1 else (width,) + xs[i].shape[1:]
+                shape = ((width,) if keep_rows else ()) + xs[i].shape[1:]
                 out[i] = part.reshape(shape)
         return out
 

@@ -117,3 +117,13 @@ def test_zero_with_split_backward_schedules_matches_single_device(stage: str, la
     num_stages, directives = layout(ZERO[stage])
     step = check_mlp_strategy(directives, OPT, num_stages)
     assert {n.pass_ for n in step.dag.compute_nodes()} >= {"BI", "BW"}
+
+
+@pytest.mark.parametrize("stage", sorted(ZERO))
+def test_zero_on_single_device_groups_sharing_a_tied_weight(stage: str) -> None:
+    """Groups of one replica still keep ZeRO's (1, k) shard rows; the tied embedding's
+    gradient is summed across the two groups shard by shard."""
+    directives = [piper.split({"PP": "*"}, num_microbatches=2)]
+    for s in range(2):
+        directives += [piper.place({"PP": s}, [s]), piper.replicate({"PP": s}, [s], **ZERO[stage])]
+    check_mlp_strategy(directives + schedules.one_f_one_b(2, 2), OPT)
