@@ -25,10 +25,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--explain", action="store_true", help="print the plans first")
     parser.add_argument(
-        "--resume", metavar="DIR", help="start from a checkpoint of --save (any --pp/--dp)"
+        "--resume",
+        metavar="DIR",
+        help="start from a checkpoint of --save (any --pp/--dp); the data stream starts "
+        "again from --seed",
     )
     parser.add_argument("--save", metavar="DIR", help="write a checkpoint after the last step")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.save and os.path.exists(args.save):  # before training, not after
+        parser.error(f"--save {args.save} already exists")
+    return args
 
 
 def strategy(pp: int, dp: int, m: int, schedule: str) -> list:

@@ -175,16 +175,23 @@ class Executor:
 
     def host_param(self, g: Group, name: str) -> np.ndarray:
         """One parameter's full value on this host, read from group g."""
-        value = self.params[g][name]
+        value = self._host_value(g, self.params[g][name])
         if self.zero[g] == 3:
-            if g not in self._gather_programs:
-                self._gather_programs[g] = jax.jit(
-                    lambda x: x, out_shardings=pg.replicated(self.meshes[g])
-                )
-            full = self._gather_programs[g](value)
-            rows = np.asarray(full.addressable_shards[0].data)
-            return zero.from_shards(rows, self.param_avals[name][0])
-        return np.asarray(value.addressable_shards[0].data)
+            return zero.from_shards(value, self.param_avals[name][0])
+        return value
+
+    def _host_value(self, g: Group, x: jax.Array) -> np.ndarray:
+        """The whole of an array of group g on this host, also where it is stacked over
+        devices of other processes (then the group replicates it in one program)."""
+        if x.is_fully_addressable:
+            return np.asarray(x)
+        if x.sharding.is_fully_replicated:
+            return np.asarray(x.addressable_shards[0].data)
+        if g not in self._gather_programs:
+            self._gather_programs[g] = jax.jit(
+                lambda x: x, out_shardings=pg.replicated(self.meshes[g])
+            )
+        return np.asarray(self._gather_programs[g](x).addressable_shards[0].data)
 
     def memory(self) -> dict[int, dict[str, int]]:
         """Bytes per local device (index into the step's devices) held in parameters,
@@ -368,36 +375,61 @@ class Executor:
             for p in node.params:
                 name = self.lifted.param_names[p]
                 owner[name] = min(owner.get(name, (process, node.devices)), (process, node.devices))
+        # every process holding part of the owning group reads it (ZeRO-3 shards are read
+        # in one program of the whole group), in the same order on every process
+        local = {n: self.host_param(g, n) for n, (_, g) in owner.items() if g in self.local}
         return self._share(
-            {n: p for n, (p, _) in owner.items()},
-            lambda n: self.host_param(owner[n][1], n),
-            self.param_avals,
+            {n: p for n, (p, _) in owner.items()}, local.__getitem__, self.param_avals
         )
+
+    def optimizer_avals(self) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """{key path: (shape, dtype)} of `optimizer.init` of the whole model: the layout
+        of `optimizer_state` (Note [portable optimizer state])."""
+        return self._state_avals(self.lifted.param_names)
+
+    def _state_avals(self, names: Sequence[str]) -> dict[str, tuple[tuple[int, ...], Any]]:
+        shapes = {n: jax.ShapeDtypeStruct(*self.param_avals[n]) for n in names}
+        leaves = jax.tree_util.tree_flatten_with_path(jax.eval_shape(self.optimizer.init, shapes))
+        return {keystr(path): (leaf.shape, leaf.dtype) for path, leaf in leaves[0]}
 
     def optimizer_state(self) -> dict[str, np.ndarray]:
         """The optimizer state on the host of every process, in the single-device layout,
-        keyed by key path (Note [portable optimizer state])."""
-
-        def key_paths(names: Sequence[str]) -> dict[str, tuple]:
-            shapes = {n: jax.ShapeDtypeStruct(*self.param_avals[n]) for n in names}
-            leaves = jax.tree_util.tree_flatten_with_path(
-                jax.eval_shape(self.optimizer.init, shapes)
-            )[0]
-            return {keystr(path): (leaf.shape, leaf.dtype) for path, leaf in leaves}
-
-        names = self.lifted.param_names
-        avals = key_paths(names)
+        keyed by key path (Note [portable optimizer state]). Refuses optimizers whose
+        state does not split by parameter (e.g. optax.flatten keeps one vector per
+        update), naming the leaf."""
+        names, avals = self.lifted.param_names, self.optimizer_avals()
         owners: dict[str, int] = {}
         for node in self.dag.of_kind(NodeKind.UPD):
-            for key in key_paths([names[p] for p in node.params]):
-                owners[key] = min(
-                    owners.get(key, self._owner_process(node)), self._owner_process(node)
-                )
+            process = self._owner_process(node)
+            for key in self._state_avals([names[p] for p in node.params]):
+                owners[key] = min(owners.get(key, process), process)
+        if owners.keys() != avals.keys():
+            key = sorted(owners.keys() ^ avals.keys())[0]
+            raise self._unportable(key, "is not held by the updates of the parameter groups")
         local: dict[str, np.ndarray] = {}
         for node in self.upd_nodes:
-            state, stage = self.opt_state[node.uid], self.zero[node.devices]
-            local.update(opt_layout.to_full(state, self._node_shapes(node), stage))
+            g = node.devices
+            state = opt_layout.to_full(
+                self.opt_state[node.uid],
+                self._node_shapes(node),
+                self.zero[g],
+                lambda x, g=g: self._host_value(g, x),
+            )
+            for key, value in state.items():
+                if value.shape != avals[key][0]:
+                    raise self._unportable(
+                        key, f"is {list(value.shape)} on {group_str(g)}, not {list(avals[key][0])}"
+                    )
+                if key in local and not np.array_equal(local[key], value):
+                    raise self._unportable(key, "differs between the parameter groups")
+                local[key] = value
         return self._share(owners, local.__getitem__, avals)
+
+    def _unportable(self, key: str, what: str) -> PiperError:
+        return PiperError(
+            f"optimizer state leaf {key} {what}: this optimizer keeps state across "
+            "parameters, so it cannot be saved in the single-device layout"
+        )
 
     def _owner_process(self, node: Node) -> int:
         return min(d.process_index for d in self.meshes[node.devices].devices.flat)

@@ -14,13 +14,14 @@ they are left out of checkpoints and keep their value on restore.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 from jax.tree_util import DictKey, keystr
+from piper_jax.ir.errors import PiperError
 from piper_jax.mpmd_runtime import programs as pg
 from piper_jax.mpmd_runtime import zero
 from piper_jax.mpmd_runtime.global_norm import CARRIER
@@ -37,17 +38,23 @@ def owner(path: tuple, names: set[str]) -> str | None:
     return None
 
 
-def to_full(state: Any, shapes: Mapping[str, Shape], stage: int) -> dict[str, np.ndarray]:
+def to_full(
+    state: Any,
+    shapes: Mapping[str, Shape],
+    stage: int,
+    read: Callable[[jax.Array], np.ndarray],
+) -> dict[str, np.ndarray]:
     """A node's state as {key path: host value in the full layout}, carrier left out.
 
     `shapes` holds the node's parameters' full shapes; `stage` is its ZeRO stage (0: the
-    state is replicated; 2 or 3: every leaf is stacked over the replicas)."""
+    state is replicated; 2 or 3: every leaf is stacked over the replicas); `read` gives
+    an array's whole value on this host."""
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
         name = owner(path, set(shapes))
         if name == CARRIER:
             continue
-        value = np.asarray(leaf)
+        value = read(leaf)
         if stage and name is not None:
             value = zero.from_shards(value, shapes[name])
         elif stage:
@@ -67,12 +74,16 @@ def from_full(
         if name == CARRIER:
             return leaf
         value = np.asarray(full[keystr(path)], leaf.dtype)
-        if not stage:
-            return host_to_group(value, pg.replicated(mesh))
-        if name is not None:
+        if stage and name is not None:
             value = zero.to_shards(value, replicas)
-        else:
+        elif stage:
             value = np.broadcast_to(value, (replicas,) + value.shape)
-        return host_to_group(value, pg.stacked(mesh))
+        if value.shape != leaf.shape:
+            raise PiperError(
+                f"optimizer state leaf {keystr(path)} of shape {list(value.shape)} does not "
+                f"fit this step's {list(leaf.shape)}: the optimizer keeps state across "
+                "parameters, which the single-device layout cannot carry"
+            )
+        return host_to_group(value, pg.stacked(mesh) if stage else pg.replicated(mesh))
 
     return jax.tree_util.tree_map_with_path(place, state)

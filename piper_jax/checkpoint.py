@@ -18,7 +18,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from piper_jax.ir.errors import PiperError
@@ -28,7 +27,11 @@ FORMAT = 1
 
 
 def _describe(values: Mapping[str, np.ndarray]) -> list[list[Any]]:
-    return [[key, list(np.shape(v)), np.asarray(v).dtype.name] for key, v in values.items()]
+    return _describe_avals({key: (np.shape(v), np.asarray(v).dtype) for key, v in values.items()})
+
+
+def _describe_avals(avals: Mapping[str, tuple[tuple[int, ...], Any]]) -> list[list[Any]]:
+    return [[key, list(shape), np.dtype(dtype).name] for key, (shape, dtype) in avals.items()]
 
 
 def _barrier(name: str) -> None:
@@ -44,6 +47,8 @@ def save(executor: Executor, param_names: list[str], path: str | os.PathLike) ->
     _barrier(f"piper save {path}")  # every process looked before any writes
     if exists:
         raise PiperError(f"step.save: {path} already exists; save each checkpoint to a new path")
+    import orbax.checkpoint as ocp  # here, so that importing piper_jax does not need orbax
+
     found = executor.gather_params()
     params = {name: found[name] for name in param_names}
     opt_state = dict(sorted(executor.optimizer_state().items()))
@@ -59,18 +64,18 @@ def restore(executor: Executor, param_names: list[str], path: str | os.PathLike)
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         raise PiperError(f"step.restore: no checkpoint directory at {path}")
+    import orbax.checkpoint as ocp
+
     found = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
         path, ocp.args.Composite(arrays=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore())
     )
     meta, arrays = found.meta, found.arrays
     if meta.get("format") != FORMAT:
         raise PiperError(f"step.restore: {path} has format {meta.get('format')}, not {FORMAT}")
-    shapes = executor.param_avals
-    want_params = _describe({n: np.zeros(shapes[n][0], shapes[n][1]) for n in param_names})
+    want_params = _describe_avals({n: executor.param_avals[n] for n in param_names})
     _check_same("parameter", meta["params"], want_params, path)
-    _check_same(
-        "optimizer state leaf", meta["opt_state"], _describe(executor.optimizer_state()), path
-    )
+    want_state = _describe_avals(executor.optimizer_avals())
+    _check_same("optimizer state leaf", meta["opt_state"], want_state, path)
     params = dict(zip(param_names, arrays["params"]))
     opt_state = {key: value for (key, _, _), value in zip(meta["opt_state"], arrays["opt_state"])}
     executor.load_state(params, opt_state)

@@ -105,3 +105,18 @@ def test_restore_refuses_another_optimizer(tmp_path) -> None:
 def test_restore_of_a_missing_directory_is_a_piper_error(tmp_path) -> None:
     with pytest.raises(piper.PiperError, match="no checkpoint directory"):
         _compile([], optax.sgd(0.1)).restore(tmp_path / "nothing")
+
+
+def test_an_optimizer_with_state_across_parameters_is_refused_naming_the_leaf(tmp_path) -> None:
+    """optax.flatten keeps one moment vector per update: per stage here, one for the whole
+    model on one device; saving it would resume with the wrong moments."""
+    directives = [
+        piper.split({"PP": "*"}, num_microbatches=2),
+        piper.place({"PP": 0}, [0]),
+        piper.place({"PP": 1}, [1]),
+        *piper.schedules.one_f_one_b(2, 2),
+    ]
+    step = _compile(directives, optax.flatten(optax.adam(3e-2)))
+    step(mlp_batches(1)[0])
+    with pytest.raises(piper.PiperError, match=r"optimizer state leaf \S*mu.* across parameters"):
+        step.save(tmp_path / "ckpt")

@@ -1,7 +1,7 @@
-"""Run by both processes of the multi-process checkpoint test (2 processes x 2 devices):
-train 2 steps with one stage per process, save, restore into a step whose device groups
-span both processes, train 2 more, and check the uninterrupted single-device reference on
-every process. Usage: checkpoint_check.py DIRECTORY"""
+"""Run by both processes of the multi-process checkpoint tests (2 processes x 2 devices):
+train 2 steps under layout BEFORE, save, restore into a step under layout AFTER, train 2
+more, and check the uninterrupted single-device reference on every process.
+Usage: checkpoint_check.py DIRECTORY BEFORE AFTER (layouts: see LAYOUTS)"""
 
 from __future__ import annotations
 
@@ -23,23 +23,35 @@ from helpers import StageMLP, mlp_batches, mlp_loss, reference_run  # noqa: E402
 import piper_jax as piper  # noqa: E402
 
 
-def pipeline(groups: list[list[int]]) -> list:
+def pipeline(groups: list[list[int]], **zero: bool) -> list:
     return [
         piper.split({"PP": "*"}, num_microbatches=2),
         *[piper.place({"PP": s}, g) for s, g in enumerate(groups)],
-        *[piper.replicate({"PP": s}, g) for s, g in enumerate(groups)],
+        *[piper.replicate({"PP": s}, g, **zero) for s, g in enumerate(groups)],
         *piper.schedules.one_f_one_b(2, 2),
     ]
 
 
+LAYOUTS = {  # process 0 holds devices 0 and 1, process 1 holds 2 and 3
+    "stage_per_process": lambda: pipeline([[0, 1], [2, 3]]),
+    "stages_spanning": lambda: pipeline([[0, 2], [1, 3]]),
+    "zero2_spanning": lambda: [piper.replicate({"PP": "*"}, [0, 1, 2, 3], shard_grads=True)],
+    "zero3_stages_spanning": lambda: pipeline([[0, 2], [1, 3]], shard_params=True),
+}
+
+
 def main() -> None:
-    path = os.path.join(sys.argv[1], "ckpt")
+    path, before, after = (
+        os.path.join(sys.argv[1], "ckpt"),
+        LAYOUTS[sys.argv[2]],
+        LAYOUTS[sys.argv[3]],
+    )
     batches, optimizer = mlp_batches(4), optax.adam(3e-2)
-    first = piper.compile(mlp_loss, StageMLP(2), optimizer, batches[0], pipeline([[0, 1], [2, 3]]))
+    first = piper.compile(mlp_loss, StageMLP(2), optimizer, batches[0], before())
     losses = [first(b)["loss"] for b in batches[:2]]
     first.save(path)
     model = StageMLP(2, rngs=nnx.Rngs(7))
-    second = piper.compile(mlp_loss, model, optimizer, batches[0], pipeline([[0, 2], [1, 3]]))
+    second = piper.compile(mlp_loss, model, optimizer, batches[0], after())
     second.restore(path)
     losses += [second(b)["loss"] for b in batches[2:]]
     ref_losses, ref_params = reference_run(mlp_loss, StageMLP(2), optimizer, batches)

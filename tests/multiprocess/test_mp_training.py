@@ -113,7 +113,15 @@ def test_processes_with_different_plans_fail_at_start_up() -> None:
     assert "went unnoticed" not in out
 
 
-def test_checkpoint_saved_on_two_processes_resumes_under_another_placement(tmp_path) -> None:
-    out = launch(2, 2, os.path.join(HERE, "checkpoint_check.py"), str(tmp_path))
+@pytest.mark.parametrize(
+    "before,after",
+    [("stage_per_process", "stages_spanning"), ("zero2_spanning", "zero3_stages_spanning")],
+)
+def test_checkpoint_saved_on_two_processes_resumes_under_another_placement(
+    before, after, tmp_path
+) -> None:
+    """Stage parameters held by one process must reach the other; ZeRO shards spread over
+    both processes must be read whole (and written back as shards)."""
+    out = launch(2, 2, os.path.join(HERE, "checkpoint_check.py"), str(tmp_path), before, after)
     for rank in range(2):
         assert f"[rank {rank}] RESUMED OK process {rank} of 2" in out
