@@ -399,9 +399,14 @@ class Executor:
         update), naming the leaf."""
         names, avals = self.lifted.param_names, self.optimizer_avals()
         owners: dict[str, int] = {}
-        for node in self.dag.of_kind(NodeKind.UPD):
+        for node in self.dag.of_kind(NodeKind.UPD):  # the same checks on every process
             process = self._owner_process(node)
-            for key in self._state_avals([names[p] for p in node.params]):
+            for key, (shape, _) in self._state_avals([names[p] for p in node.params]).items():
+                if key in avals and shape != avals[key][0]:
+                    where = group_str(node.devices)
+                    raise self._unportable(
+                        key, f"is {list(shape)} on {where}, not {list(avals[key][0])}"
+                    )
                 owners[key] = min(owners.get(key, process), process)
         if owners.keys() != avals.keys():
             key = sorted(owners.keys() ^ avals.keys())[0]
@@ -416,10 +421,6 @@ class Executor:
                 lambda x, g=g: self._host_value(g, x),
             )
             for key, value in state.items():
-                if value.shape != avals[key][0]:
-                    raise self._unportable(
-                        key, f"is {list(value.shape)} on {group_str(g)}, not {list(avals[key][0])}"
-                    )
                 if key in local and not np.array_equal(local[key], value):
                     raise self._unportable(key, "differs between the parameter groups")
                 local[key] = value
