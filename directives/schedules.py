@@ -6,6 +6,8 @@ written by the user with `place`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from piper_jax.directives.types import Order
 from piper_jax.ir.errors import DirectiveError
 
@@ -26,6 +28,19 @@ def _order(actions: list[Action], tag: str, dim_name: str) -> Order:
 def _grouped_order(groups: list[list[Action]], tag: str, dim_name: str) -> Order:
     """One order directive; actions sharing a group may overlap (see DESIGN, order)."""
     return Order(tuple(tuple({tag: s, dim_name: mb, "PASS": p} for p, s, mb in g) for g in groups))
+
+
+def _per_stage(
+    actions: Callable[[int, int, int], list[Action]],
+    num_stages: int,
+    num_microbatches: int,
+    tag: str,
+    dim_name: str,
+) -> list[Order]:
+    """One order per stage s (on device s): actions(num_stages, num_microbatches, s)."""
+    return [
+        _order(actions(num_stages, num_microbatches, s), tag, dim_name) for s in range(num_stages)
+    ]
 
 
 def gpipe(
@@ -58,10 +73,7 @@ def one_f_one_b(
 ) -> list[Order]:
     """1F1B: at most p microbatches in flight on stage 0."""
     _check(num_stages, num_microbatches, "one_f_one_b")
-    return [
-        _order(one_f_one_b_actions(num_stages, num_microbatches, s), tag, dim_name)
-        for s in range(num_stages)
-    ]
+    return _per_stage(one_f_one_b_actions, num_stages, num_microbatches, tag, dim_name)
 
 
 def interleaved_1f1b_actions(
@@ -115,24 +127,17 @@ def interleaved_1f1b(
 def zero_bubble_h1_actions(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
     """ZB-H1 on `stage`: 1F1B with B split into BI and BW, each BW deferred by `stage`
     steps so the deferred BWs fill the cool-down bubble; peak activations stay at p."""
-    m = num_microbatches
-    warmup = min(num_stages - stage - 1, m)
-    actions: list[Action] = [("F", stage, i) for i in range(warmup)]
+    actions: list[Action] = []
     deferred: list[int] = []
-
-    def backward(i: int) -> None:
-        actions.append(("BI", stage, i))
+    for pass_, s, i in one_f_one_b_actions(num_stages, num_microbatches, stage):
+        if pass_ == "F":
+            actions.append((pass_, s, i))
+            continue
+        actions.append(("BI", s, i))
         deferred.append(i)
         if len(deferred) > stage:
-            actions.append(("BW", stage, deferred.pop(0)))
-
-    for i in range(m - warmup):
-        actions.append(("F", stage, warmup + i))
-        backward(i)
-    for i in range(m - warmup, m):
-        backward(i)
-    actions += [("BW", stage, i) for i in deferred]
-    return actions
+            actions.append(("BW", s, deferred.pop(0)))
+    return actions + [("BW", stage, i) for i in deferred]
 
 
 def zero_bubble_h1(
@@ -140,10 +145,7 @@ def zero_bubble_h1(
 ) -> list[Order]:
     """ZB-H1 (stage s on device s): bubble (p-1)(F+B-2W), 1F1B's memory."""
     _check(num_stages, num_microbatches, "zero_bubble_h1")
-    return [
-        _order(zero_bubble_h1_actions(num_stages, num_microbatches, s), tag, dim_name)
-        for s in range(num_stages)
-    ]
+    return _per_stage(zero_bubble_h1_actions, num_stages, num_microbatches, tag, dim_name)
 
 
 def dualpipev_groups(num_ranks: int, num_microbatches: int, rank: int) -> list[list[Action]]:
