@@ -1,15 +1,17 @@
-"""Apply a directive list to the training DAG, always in the fixed order of DESIGN.md:
+"""Apply a directive list to the training DAG, always in the fixed order:
 split -> recompute -> backward split (where an order names BI/BW) -> place -> replicate
--> shard -> order."""
+-> shard -> (placement check) -> gradients and ZeRO collectives -> transfers -> order."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from piper_jax.directives.backward_split import regions_to_split, split_backward_nodes
+from piper_jax.directives.backward_split import backwards_to_split, split_backward_nodes
+from piper_jax.directives.gradients import insert_updates
 from piper_jax.directives.order import apply_order
-from piper_jax.directives.place import apply_place, apply_replicate, check_placement
+from piper_jax.directives.place import apply_place, check_placement
 from piper_jax.directives.recompute import apply_recompute
+from piper_jax.directives.replicate import apply_replicate
 from piper_jax.directives.split import apply_split, split_all
 from piper_jax.directives.transfers import insert_transfers
 from piper_jax.directives.types import (
@@ -21,7 +23,6 @@ from piper_jax.directives.types import (
     Shard,
     Split,
 )
-from piper_jax.ir.build import attach_updates
 from piper_jax.ir.dag import TrainingDAG
 from piper_jax.ir.errors import DirectiveError
 from piper_jax.ir.lift import LiftedLoss
@@ -55,9 +56,17 @@ def num_microbatches(directives: Sequence[object]) -> int:
 
 
 def apply_directives(
-    dag: TrainingDAG, lifted: LiftedLoss, directives: Sequence[object], num_devices: int
+    dag: TrainingDAG,
+    lifted: LiftedLoss,
+    directives: Sequence[object],
+    num_devices: int,
+    global_norm: bool = False,
 ) -> TrainingDAG:
-    """The DAG after every directive; the DAG is checked after each step."""
+    """The DAG after every directive; the DAG is checked after each step.
+
+    Args:
+      global_norm: add the `gnorm` ALL_REDUCE (clip by global norm, non-finite guard).
+    """
     directives = check_directives(directives)
     splits = [d for d in directives if isinstance(d, Split)]
     dag = apply_split(dag, splits[0]) if splits else split_all(dag, 1)
@@ -65,7 +74,7 @@ def apply_directives(
         if isinstance(d, Recompute):
             dag = apply_recompute(dag, d, i)
     orders = [d for d in directives if isinstance(d, Order)]
-    dag = split_backward_nodes(dag, regions_to_split(dag, orders))
+    dag = split_backward_nodes(dag, backwards_to_split(dag, orders))
     for d in directives:
         if isinstance(d, Place):
             dag = apply_place(dag, d, num_devices)
@@ -73,7 +82,7 @@ def apply_directives(
         if isinstance(d, Replicate):
             dag = apply_replicate(dag, d, num_devices)
     dag = check_placement(dag, any(isinstance(d, (Place, Replicate)) for d in directives))
-    dag = attach_updates(dag, lifted)
+    dag = insert_updates(dag, lifted, global_norm)
     dag = insert_transfers(dag)
     for i, d in enumerate(directives):
         if isinstance(d, Order):

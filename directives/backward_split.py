@@ -1,8 +1,10 @@
-"""Backward split: B -> BI + BW for every region an order names BI or BW for.
+"""Backward split: B -> BI + BW for every (region, microbatch) an order names BI or BW for.
 
 BI takes B's inputs and produces the input cotangents; BW takes the residuals and what
 BI computed (see Note [why BW runs after BI, and reuses it]) and produces the weight
-gradients, so it feeds the gradient collectives and the update.
+gradients, so it feeds the gradient collectives and the update. The split is per
+(region, microbatch), as in the reference Piper: a stage may run a fused B for some
+microbatches and BI + BW for others (DualPipeV does).
 """
 
 from __future__ import annotations
@@ -12,12 +14,12 @@ from collections.abc import Sequence
 
 from piper_jax.directives.filters import matches
 from piper_jax.directives.types import Order
-from piper_jax.ir.dag import EdgeKind, NodeKind, TrainingDAG
+from piper_jax.ir.dag import EdgeKind, Node, TrainingDAG
 from piper_jax.ir.errors import DirectiveError
 
 
-def regions_to_split(dag: TrainingDAG, orders: Sequence[Order]) -> set[int]:
-    """Regions whose backward an order filter names as BI or BW."""
+def backwards_to_split(dag: TrainingDAG, orders: Sequence[Order]) -> list[Node]:
+    """The B nodes (one per region and microbatch) an order filter names as BI or BW."""
     named = [
         {k: v for k, v in f.items() if k != "PASS"}
         for order in orders
@@ -25,36 +27,33 @@ def regions_to_split(dag: TrainingDAG, orders: Sequence[Order]) -> set[int]:
         for f in group
         if f.get("PASS") in ("BI", "BW")
     ]
-    return {
-        n.region
-        for n in dag.compute_nodes()
-        if n.pass_ == "B" and any(matches(f, n.tags) for f in named)
-    }
+    if not named:
+        return []
+    return [
+        n for n in dag.compute_nodes() if n.pass_ == "B" and any(matches(f, n.tags) for f in named)
+    ]
 
 
-def split_backward_nodes(dag: TrainingDAG, regions: set[int]) -> TrainingDAG:
+def split_backward_nodes(dag: TrainingDAG, backwards: Sequence[Node]) -> TrainingDAG:
+    """Each of `backwards` becomes BI (keeping its uid and inputs) and a new BW node that
+    takes over its edges to the optimizer side and also reads the forward's residuals."""
     out = dag.copy()
-    for b in list(dag.compute_nodes()):
-        if b.pass_ != "B" or b.region not in regions:
-            continue
+    for b in backwards:
         if b.recompute:
             raise DirectiveError(
-                f"region {dict(b.region_tags)} is both recomputed and split into BI/BW; "
-                "drop one of the two directives for it"
+                f"region {dict(b.region_tags)} is both recomputed and split into BI/BW "
+                f"({b}); drop one of the two directives for it"
             )
         bi = dataclasses.replace(b, pass_="BI")
         bw = out.add(dataclasses.replace(b, uid=out.new_uid(), pass_="BW"))
         out.replace(bi)
         out.connect(bi.uid, bw.uid)
-        for e in dag.edges:
-            if e.src == b.uid and dag.nodes[e.dst].kind in (NodeKind.UPD, NodeKind.ALL_REDUCE):
-                out.edges.discard(e)
+        for e in dag.out_edges(b.uid):
+            if dag.nodes[e.dst].kind.value != "COMPUTE":
+                out.disconnect(e)
                 out.connect(bw.uid, e.dst, e.kind)
-            if (
-                e.dst == b.uid
-                and e.kind is EdgeKind.DATA
-                and dag.nodes[e.src].pass_ == "F"
-                and dag.nodes[e.src].region == b.region
-            ):
+        for e in dag.in_edges(b.uid):
+            src = dag.nodes[e.src]
+            if e.kind is EdgeKind.DATA and src.pass_ == "F" and src.region == b.region:
                 out.connect(e.src, bw.uid)  # BW reads the residuals too
     return out

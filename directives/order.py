@@ -1,7 +1,10 @@
 """order: temporal edges between consecutive groups of filters on one device group.
 
-Nodes matched by one group may interleave: they get no edges among themselves and share
-an overlap id, so the plan compiler runs them as one unit (DualPipe's F&B pairs).
+Nodes of one group run after every node of the group before it. A group of several
+filters is an overlap group (DualPipe's F&B pairs): its nodes share an overlap id and the
+plan compiler runs them as one unit, one XLA program in which XLA may interleave them.
+Nodes that one filter matches together (the pieces of a stage cut by a nested region)
+keep their data order inside the group.
 """
 
 from __future__ import annotations
@@ -19,12 +22,15 @@ def apply_order(dag: TrainingDAG, directive: Order, index: int) -> TrainingDAG:
     dag = dag.copy()
     compute = list(dag.compute_nodes())
     groups = []
+    overlapping = []
     for g, filters in enumerate(directive.filters):
-        nodes = {n.uid: n for f in filters for n in select(compute, f)}
+        per_filter = [select(compute, f) for f in filters]
+        nodes = {n.uid: n for matched in per_filter for n in matched}
         if not nodes:
             names = ", ".join(filter_str(f) for f in filters)
             raise DirectiveError(f"{where}: group {g} [{names}] matches no node")
         groups.append(nodes)
+        overlapping.append(sum(1 for matched in per_filter if matched) > 1)
     placed = {n.devices: n for grp in groups for n in grp.values()}
     if len(placed) > 1:
         (a, na), (b, nb) = list(placed.items())[:2]
@@ -32,18 +38,16 @@ def apply_order(dag: TrainingDAG, directive: Order, index: int) -> TrainingDAG:
             f"{where} orders {na} on {list(a)} with {nb} on {list(b)}: an order runs on one "
             "device group; write one order directive per device group"
         )
-    succs = dag.adjacency()[1] if any(len(nodes) > 1 for nodes in groups) else {}
-    for g, nodes in enumerate(groups):
-        if len(nodes) > 1:
-            _check_independent(dag, succs, nodes, f"{where}: group {g}")
     next_overlap = 1 + max((n.overlap or 0 for n in dag.nodes.values()), default=0)
-    for nodes in groups:
-        if len(nodes) > 1:
-            for n in nodes.values():
-                if n.overlap is not None:
-                    raise DirectiveError(f"{where}: {n} is in two overlap groups")
-                dag.replace(dataclasses.replace(n, overlap=next_overlap))
-            next_overlap += 1
+    for g, (nodes, overlap) in enumerate(zip(groups, overlapping)):
+        if not overlap:
+            continue
+        _check_no_detour(dag, nodes, f"{where}: group {g}")
+        for n in nodes.values():
+            if dag.nodes[n.uid].overlap is not None:
+                raise DirectiveError(f"{where}: {n} is in two overlap groups")
+            dag.replace(dataclasses.replace(dag.nodes[n.uid], overlap=next_overlap))
+        next_overlap += 1
     for before, after in zip(groups, groups[1:]):
         for a in before:
             for b in after:
@@ -53,29 +57,25 @@ def apply_order(dag: TrainingDAG, directive: Order, index: int) -> TrainingDAG:
     return dag
 
 
-def _check_independent(
-    dag: TrainingDAG, succs: dict[int, list[int]], nodes: dict, where: str
-) -> None:
-    """Nodes of one overlap group run as one program, so none may need another's output
-    (except a BW its own BI's, which the runtime runs as one backward)."""
+def _check_no_detour(dag: TrainingDAG, nodes: dict, where: str) -> None:
+    """An overlap unit runs as one program once all its inputs exist, so no member may
+    need another member's output by way of a node outside the unit (that node could only
+    run after the unit started). Direct dependencies inside the unit are fine: the
+    program runs its members in data order (a BI before its BW)."""
     for start in nodes:
-        seen, stack = set(), list(succs.get(start, []))
+        seen: set[int] = set()
+        stack = [s for s in dag.succs(start) if s not in nodes]
         while stack:
             uid = stack.pop()
             if uid in seen:
                 continue
             seen.add(uid)
-            if uid in nodes and not _split_pair(dag.nodes[start], dag.nodes[uid]):
-                raise DirectiveError(
-                    f"{where} puts {dag.nodes[start]} and {dag.nodes[uid]} in one overlap "
-                    f"group, but {dag.nodes[uid]} needs {dag.nodes[start]}'s output: passes "
-                    "that overlap must be independent; put them in consecutive groups"
-                )
-            stack.extend(succs.get(uid, []))
-
-
-def _split_pair(a, b) -> bool:
-    return (a.pass_, b.pass_) == ("BI", "BW") and (a.region, a.microbatch) == (
-        b.region,
-        b.microbatch,
-    )
+            for nxt in dag.succs(uid):
+                if nxt in nodes:
+                    raise DirectiveError(
+                        f"{where} puts {dag.nodes[start]} and {dag.nodes[nxt]} in one overlap "
+                        f"group, but {dag.nodes[nxt]} needs {dag.nodes[start]}'s output by way "
+                        f"of {dag.nodes[uid]}, which runs outside the group: passes that "
+                        "overlap must be independent; put them in consecutive groups"
+                    )
+                stack.append(nxt)

@@ -1,4 +1,8 @@
-"""insert_transfers: a SEND/RECV pair on every data edge between device groups."""
+"""insert_transfers: a SEND/RECV pair on every data edge between device groups.
+
+The groups may differ in size: the runtime moves each receiving replica exactly the
+batch rows it needs (Note [device groups as named meshes]).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ def insert_transfers(dag: TrainingDAG) -> TrainingDAG:
     """One SEND on the producer's group and one RECV per consumer group, per output."""
     out = dag.copy()
     recv_of: dict[tuple[int, tuple[int, ...]], int] = {}
-    for e in sorted(dag.edges, key=lambda e: (e.src, e.dst)):
+    for e in dag.edges:
         src, dst = dag.nodes[e.src], dag.nodes[e.dst]
         if (
             e.kind is not EdgeKind.DATA
@@ -25,7 +29,7 @@ def insert_transfers(dag: TrainingDAG) -> TrainingDAG:
             out.connect(src.uid, send.uid)
             out.connect(send.uid, recv.uid)
             recv_of[key] = recv.uid
-        out.edges.discard(e)
+        out.disconnect(e)
         out.connect(recv_of[key], dst.uid)
     return out
 
@@ -41,10 +45,10 @@ def _endpoint(
             carried.region,
             carried.region_tags,
             microbatch=carried.microbatch,
-            devices=side.devices,
-            replicated=side.replicated,
+            mesh=side.mesh,
             stream=side.stream,
             peer=peer,
             carries=carried.uid,
+            value=carried.compute_label(),
         )
     )

@@ -1,7 +1,7 @@
 """The IR: regions lifted from a traced loss, and the training DAG built from them."""
 
-from piper_jax.ir.build import attach_updates, build_dag
-from piper_jax.ir.dag import Edge, EdgeKind, Node, NodeKind, TrainingDAG, group_str
+from piper_jax.ir.build import build_dag, region_meshes
+from piper_jax.ir.dag import Edge, EdgeKind, Node, NodeKind, TrainingDAG
 from piper_jax.ir.errors import (
     AnnotationError,
     BatchError,
@@ -9,24 +9,28 @@ from piper_jax.ir.errors import (
     PiperError,
     PlanError,
 )
+from piper_jax.ir.layout import DeviceMesh, Layout, ParamLayout, group_str
 from piper_jax.ir.lift import ActRef, LiftedLoss, Region, lift
 
 __all__ = [
     "ActRef",
     "AnnotationError",
     "BatchError",
+    "DeviceMesh",
     "DirectiveError",
     "Edge",
     "EdgeKind",
+    "Layout",
     "LiftedLoss",
     "Node",
     "NodeKind",
+    "ParamLayout",
     "PiperError",
     "PlanError",
     "Region",
     "TrainingDAG",
-    "attach_updates",
     "build_dag",
     "group_str",
     "lift",
+    "region_meshes",
 ]

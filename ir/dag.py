@@ -8,8 +8,10 @@ import json
 from collections.abc import Iterable, Iterator
 
 from piper_jax.ir.errors import DirectiveError
+from piper_jax.ir.layout import DeviceMesh, ParamLayout, group_str
 
 PASSES = ("F", "B", "BI", "BW")
+WEIGHT_GRAD_PASSES = ("B", "BW")
 
 
 class NodeKind(enum.StrEnum):
@@ -23,14 +25,17 @@ class NodeKind(enum.StrEnum):
     ALL_TO_ALL = "ALL_TO_ALL"
 
 
+COLLECTIVES = (
+    NodeKind.ALL_REDUCE,
+    NodeKind.REDUCE_SCATTER,
+    NodeKind.ALL_GATHER,
+    NodeKind.ALL_TO_ALL,
+)
+
+
 class EdgeKind(enum.StrEnum):
     DATA = "data"
     TEMPORAL = "temporal"
-
-
-def group_str(devices: Iterable[int]) -> str:
-    """A device group as written in plans: d0, d0,2."""
-    return "d" + ",".join(str(d) for d in devices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,24 +45,24 @@ class Node:
     Attributes:
       uid: unique id, also the tie-breaking priority (lower runs first when free to).
       kind: what the node does.
-      region: the region index of compute nodes and of the nodes serving them.
+      region: the region index of compute and update nodes and of the nodes serving them.
       region_tags: the region's annotation tags, e.g. (("PP", 1),).
       pass_: F, B, BI or BW for compute nodes.
       microbatch: the MB index once `split` ran.
-      devices: the device group (indices into the step's devices); replicas when
-        `replicated`.
-      replicated: the node runs the same program on each device, on its own batch slice.
+      mesh: the device group it runs on, as a named mesh (Note [device groups as named
+        meshes]); a collective's mesh spans every device taking part.
       stream: the logical stream named by the directive that placed it.
-      params: parameter leaves an UPD node updates or a collective reduces.
+      params: parameter leaves an UPD node updates or a collective moves.
       peer: the other side's device group of a SEND (destination) or RECV (source).
-      carries: uid of the compute node whose output a SEND/RECV moves.
+      carries: uid of the compute node whose output a SEND/RECV moves, or whose
+        parameters (ALL_GATHER) or gradients (REDUCE_SCATTER) a ZeRO collective serves.
+      value: what a communication node carries, as plans name it: F1.3, grad[0,2],
+        grad[B0.3], param[F0.3], gnorm.
       recompute: the region's forward is run again inside its backward (`recompute`).
-      zero: 0, or the ZeRO stage of a replicated group: 2 (`shard_grads`) or 3
-        (`shard_params`); see Note [ZeRO in piper-jax].
-      bucket_mb: `replicate(bucket_size=)`: gradient all-reduces of the region's group are
-        cut into buckets of at most this many MB.
+      param_layout: how the group holds parameters, gradients and optimizer state
+        (ZeRO level, gradient buckets).
       overlap: nodes sharing an id were named in one order group: they run as one unit,
-        back to back, once all of them have their inputs (see directives/order.py).
+        once all of them have their inputs (see directives/order.py).
     """
 
     uid: int
@@ -66,16 +71,19 @@ class Node:
     region_tags: tuple[tuple[str, int], ...] = ()
     pass_: str | None = None
     microbatch: int | None = None
-    devices: tuple[int, ...] = ()
-    replicated: bool = False
+    mesh: DeviceMesh | None = None
     stream: str = "default"
     params: tuple[int, ...] = ()
     peer: tuple[int, ...] = ()
     carries: int | None = None
+    value: str = ""
     recompute: bool = False
+    param_layout: ParamLayout = ParamLayout()
     overlap: int | None = None
-    zero: int = 0
-    bucket_mb: float | None = None
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return self.mesh.devices if self.mesh is not None else ()
 
     @property
     def tags(self) -> dict[str, int | str]:
@@ -99,10 +107,10 @@ class Node:
         if self.kind is NodeKind.UPD:
             return f"UPD{self.region}"
         if self.kind is NodeKind.SEND:
-            return f"SEND #{self.carries} -> {group_str(self.peer)}"
+            return f"SEND {self.value} -> {group_str(self.peer)}"
         if self.kind is NodeKind.RECV:
-            return f"RECV #{self.carries} <- {group_str(self.peer)}"
-        return f"{self.kind.value} {group_str(self.devices)}"
+            return f"RECV {self.value} <- {group_str(self.peer)}"
+        return f"{self.kind.value} {self.value} {group_str(self.devices)}".replace("  ", " ")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,21 +121,54 @@ class Edge:
 
 
 class TrainingDAG:
-    """Nodes by uid and the edges between them. Passes copy it; they never mutate input."""
+    """Nodes by uid and the edges between them, indexed by endpoint.
+
+    Passes copy it and never mutate their input. Edges are reached through `edges`,
+    `in_edges` and `out_edges`; every change goes through `connect`, `disconnect` and
+    `remove_node`, which keep the endpoint index in step, so that a pass touching every
+    node costs time linear in the size of the DAG.
+    """
 
     def __init__(self, nodes: Iterable[Node] = (), edges: Iterable[Edge] = ()):
         self.nodes: dict[int, Node] = {n.uid: n for n in nodes}
-        self.edges: set[Edge] = set(edges)
+        self._out: dict[int, dict[Edge, None]] = {u: {} for u in self.nodes}
+        self._in: dict[int, dict[Edge, None]] = {u: {} for u in self.nodes}
+        self._next_uid = max(self.nodes, default=-1) + 1
+        for e in edges:
+            self._out[e.src][e] = None
+            self._in[e.dst][e] = None
 
     def copy(self) -> TrainingDAG:
-        return TrainingDAG(self.nodes.values(), self.edges)
+        out = TrainingDAG.__new__(TrainingDAG)
+        out.nodes = dict(self.nodes)
+        out._out = {u: dict(es) for u, es in self._out.items()}
+        out._in = {u: dict(es) for u, es in self._in.items()}
+        out._next_uid = self._next_uid
+        return out
+
+    @property
+    def edges(self) -> list[Edge]:
+        """Every edge, sorted by (src, dst, kind)."""
+        return sorted(
+            (e for es in self._out.values() for e in es),
+            key=lambda e: (e.src, e.dst, e.kind.value),
+        )
+
+    def out_edges(self, uid: int) -> list[Edge]:
+        return list(self._out[uid])
+
+    def in_edges(self, uid: int) -> list[Edge]:
+        return list(self._in[uid])
 
     def new_uid(self) -> int:
-        return max(self.nodes, default=-1) + 1
+        return self._next_uid
 
     def add(self, node: Node) -> Node:
         assert node.uid not in self.nodes, node
         self.nodes[node.uid] = node
+        self._out[node.uid] = {}
+        self._in[node.uid] = {}
+        self._next_uid = max(self._next_uid, node.uid + 1)
         return node
 
     def replace(self, node: Node) -> None:
@@ -136,11 +177,18 @@ class TrainingDAG:
 
     def connect(self, src: int, dst: int, kind: EdgeKind = EdgeKind.DATA) -> None:
         assert src in self.nodes and dst in self.nodes, (src, dst)
-        self.edges.add(Edge(src, dst, kind))
+        e = Edge(src, dst, kind)
+        self._out[src][e] = None
+        self._in[dst][e] = None
+
+    def disconnect(self, edge: Edge) -> None:
+        self._out[edge.src].pop(edge, None)
+        self._in[edge.dst].pop(edge, None)
 
     def remove_node(self, uid: int) -> None:
-        del self.nodes[uid]
-        self.edges = {e for e in self.edges if uid not in (e.src, e.dst)}
+        for e in list(self._out[uid]) + list(self._in[uid]):
+            self.disconnect(e)
+        del self.nodes[uid], self._out[uid], self._in[uid]
 
     def of_kind(self, *kinds: NodeKind) -> Iterator[Node]:
         return (n for _, n in sorted(self.nodes.items()) if n.kind in kinds)
@@ -151,32 +199,24 @@ class TrainingDAG:
     def adjacency(
         self, kind: EdgeKind | None = None
     ) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
-        """(preds, succs) of every node in one pass over the edges, for passes that ask
-        for many nodes (`preds`/`succs` scan every edge per call)."""
-        preds: dict[int, list[int]] = {u: [] for u in self.nodes}
-        succs: dict[int, list[int]] = {u: [] for u in self.nodes}
-        for e in sorted(self.edges, key=lambda e: (e.src, e.dst)):
-            if kind in (None, e.kind):
-                preds[e.dst].append(e.src)
-                succs[e.src].append(e.dst)
+        """(preds, succs) of every node, each list sorted by uid."""
+        preds = {u: self.preds(u, kind) for u in self.nodes}
+        succs = {u: self.succs(u, kind) for u in self.nodes}
         return preds, succs
 
     def preds(self, uid: int, kind: EdgeKind | None = None) -> list[int]:
-        return sorted(e.src for e in self.edges if e.dst == uid and kind in (None, e.kind))
+        return sorted({e.src for e in self._in[uid] if kind in (None, e.kind)})
 
     def succs(self, uid: int, kind: EdgeKind | None = None) -> list[int]:
-        return sorted(e.dst for e in self.edges if e.src == uid and kind in (None, e.kind))
+        return sorted({e.dst for e in self._out[uid] if kind in (None, e.kind)})
 
     def find_cycle(self) -> list[int] | None:
         """A list of uids forming a cycle, or None if the DAG is acyclic."""
-        succ: dict[int, list[int]] = {u: [] for u in self.nodes}
-        for e in self.edges:
-            succ[e.src].append(e.dst)
         state: dict[int, int] = {}
         for root in sorted(self.nodes):
             if root in state:
                 continue
-            stack = [(root, iter(sorted(succ[root])))]
+            stack = [(root, iter(self.succs(root)))]
             path = [root]
             state[root] = 1
             while stack:
@@ -191,7 +231,7 @@ class TrainingDAG:
                 elif nxt not in state:
                     state[nxt] = 1
                     path.append(nxt)
-                    stack.append((nxt, iter(sorted(succ[nxt]))))
+                    stack.append((nxt, iter(self.succs(nxt))))
         return None
 
     def check_acyclic(self, culprit: str) -> None:
@@ -205,18 +245,16 @@ class TrainingDAG:
         for uid, n in sorted(self.nodes.items()):
             outs = ", ".join(
                 f"{self.nodes[e.dst]}{'~' if e.kind is EdgeKind.TEMPORAL else ''}"
-                for e in sorted(self.edges, key=lambda e: e.dst)
-                if e.src == uid
+                for e in sorted(self._out[uid], key=lambda e: (e.dst, e.kind.value))
             )
             lines.append(f"#{uid:<4} {str(n):<24} on {group_str(n.devices):<10} -> {outs}")
         return "\n".join(lines)
 
     def to_json(self) -> str:
         nodes = []
-        for n in self.nodes.values():
+        for _, n in sorted(self.nodes.items()):
             d = dataclasses.asdict(n)
             d["kind"] = n.kind.value
             nodes.append(d)
         edges = [dataclasses.asdict(e) | {"kind": e.kind.value} for e in self.edges]
-        edges.sort(key=lambda e: (e["src"], e["dst"], e["kind"]))
         return json.dumps({"nodes": nodes, "edges": edges}, indent=1)

@@ -1,19 +1,10 @@
 """Cost-model run of compiled plans: step time, bubble, peak activations, a timeline.
 
-`simulate` replays the per-group plans with a cost per instruction instead of running
-programs. It answers "what would this strategy cost" without devices, and its timeline
-draws the schedule (see `timeline.write_timeline`).
-
-Note [simulated semantics]
-Each device group runs its plan strictly in order. An instruction starts at the latest
-of: the time its group is free, the finish time of every DAG predecessor (data and
-temporal edges), plus `transfer_latency` on the SEND -> RECV edge. A collective (one
-DAG node in the plans of several groups) starts when every member group has reached
-it and occupies all of them until it ends. A SEND does not wait for its RECV. FREE
-costs nothing. Start times are the earliest the dependencies allow (the longest path
-through program order, data edges and collective joins), so the order in which the
-simulator resolves instructions does not change the result; if no group can resolve
-its next instruction while some remain, the plans deadlock and PlanError is raised.
+`simulate` replays the per-group plans (mpmd_runtime/replay.py, Note [replay
+semantics]) with a cost per instruction instead of running programs. It answers "what
+would this strategy cost" without devices, and its timeline draws the schedule (see
+`timeline.write_timeline`). A fused step costs the sum of its instructions, which run
+back to back inside it; FREE costs nothing.
 """
 
 from __future__ import annotations
@@ -22,10 +13,11 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from piper_jax.ir.dag import NodeKind, TrainingDAG, group_str
-from piper_jax.ir.errors import PiperError, PlanError
-from piper_jax.mpmd_runtime.instructions import FREE, RECV, RUN, UPD, Instruction
-from piper_jax.mpmd_runtime.plans import Plans, format_grid
+from piper_jax.ir.errors import PiperError
+from piper_jax.ir.layout import group_str
+from piper_jax.mpmd_runtime.instructions import FREE, RUN, UPD, Instruction, Step
+from piper_jax.mpmd_runtime.plans import Plans
+from piper_jax.mpmd_runtime.replay import replay
 
 Group = tuple[int, ...]
 
@@ -146,16 +138,14 @@ def _cost(costs: dict[str, float], ins: Instruction) -> float:
 
 
 def simulate(
-    dag: TrainingDAG,
     plans: Plans,
     costs: Mapping[str, float],
     transfer_latency: float = 0.0,
 ) -> Simulation:
-    """Replay `plans` with a cost per instruction (see Note [simulated semantics]).
+    """Replay `plans` with a cost per instruction (see Note [replay semantics]).
 
     Args:
-      dag: the training DAG the plans were compiled from (its edges are the waits).
-      plans: the compiled plans; `plans.nodes[g][i]` is the DAG uid of instruction i.
+      plans: the compiled plans.
       costs: time per pass {"F", "B", "BI", "BW"} and, optionally, per op {"UPD",
         "SEND", "RECV", "ALL_REDUCE", ...}; ops default to 0.
       transfer_latency: added between the end of a SEND and the start of its RECV.
@@ -171,190 +161,51 @@ def simulate(
     table = resolve_costs(costs)
     if transfer_latency < 0 or not math.isfinite(transfer_latency):
         raise CostError(f"transfer_latency must be a finite number >= 0, got {transfer_latency}")
-    groups = sorted(plans.plans)
-    members: dict[int, list[Group]] = {}
-    for g in groups:
-        for u in plans.nodes[g]:
-            if u is not None:
-                members.setdefault(u, []).append(g)
-    preds = dag.adjacency()[0]
-    pc = {g: 0 for g in groups}
-    free_at = {g: 0.0 for g in groups}
-    finish: dict[int, float] = {}
-    starts: dict[Group, list[float | None]] = {g: [None] * len(plans.plans[g]) for g in groups}
-    ends: dict[Group, list[float | None]] = {g: [None] * len(plans.plans[g]) for g in groups}
 
-    def ready_at(g: Group) -> float | None:
-        """Start time of g's next instruction, or None while it must wait."""
-        u = plans.nodes[g][pc[g]]
-        if any(p not in finish for p in preds[u]):
-            return None
-        for m in members[u]:
-            if pc[m] >= len(plans.nodes[m]) or plans.nodes[m][pc[m]] != u:
-                return None
-        start = max(free_at[m] for m in members[u])
-        is_recv = plans.plans[g][pc[g]].op == RECV
-        for p in preds[u]:
-            latency = transfer_latency if is_recv and dag.nodes[p].kind is NodeKind.SEND else 0.0
-            start = max(start, finish[p] + latency)
-        unit = _overlap_unit(dag, plans, g, pc[g])
-        for v in unit[1:]:  # an overlap unit starts once every member has its inputs
-            for p in preds[v]:
-                if p in unit:
-                    continue
-                if p not in finish:
-                    return None
-                start = max(start, finish[p])
-        return start
+    def step_cost(group: Group, step: Step) -> float:
+        return sum(_cost(table, ins) for ins in step.instructions if ins.op != FREE)
 
-    remaining = sum(len(p) for p in plans.plans.values())
-    while remaining:
-        progressed = False
-        for g in groups:
-            while pc[g] < len(plans.plans[g]):
-                ins = plans.plans[g][pc[g]]
+    result = replay(plans.steps, step_cost, transfer_latency)
+    timeline = []
+    for g, steps in plans.steps.items():
+        for step, t0 in zip(steps, result.start[g]):
+            for ins in step.instructions:
                 if ins.op == FREE:
-                    starts[g][pc[g]] = ends[g][pc[g]] = free_at[g]
-                    pc[g] += 1
-                    remaining -= 1
                     continue
-                start = ready_at(g)
-                if start is None:
-                    break
-                u = plans.nodes[g][pc[g]]
-                end = start + _cost(table, ins)
-                for m in members[u]:
-                    starts[m][pc[m]], ends[m][pc[m]] = start, end
-                    free_at[m] = end
-                    pc[m] += 1
-                    remaining -= 1
-                finish[u] = end
-                progressed = True
-        if remaining and not progressed:
-            raise PlanError(_deadlock_report(dag, plans, pc, starts, members, finish))
-
-    timeline = [
-        TimelineEvent(g, str(ins), _kind(ins), ins.microbatch, starts[g][i], ends[g][i])
-        for g in groups
-        for i, ins in enumerate(plans.plans[g])
-        if ins.op != FREE
-    ]
+                t1 = t0 + _cost(table, ins)
+                timeline.append(TimelineEvent(g, str(ins), _kind(ins), ins.microbatch, t0, t1))
+                t0 = t1
     timeline.sort(key=lambda e: (e.start, e.group, e.end))
+    groups = sorted(plans.steps)
     step_time = max((e.end for e in timeline), default=0.0)
     idle = {g: step_time for g in groups}
     for e in timeline:
         if e.kind in COMPUTE_KINDS:
             idle[e.group] -= e.end - e.start
     bubble = sum(idle.values()) / (len(groups) * step_time) if step_time > 0 else 0.0
-    peaks = _peak_activations(plans, starts, ends)
-    return Simulation(step_time, bubble, idle, peaks, timeline)
+    return Simulation(step_time, bubble, idle, peak_activations(timeline, groups), timeline)
 
 
-def _overlap_unit(dag: TrainingDAG, plans: Plans, g: Group, i: int) -> list[int]:
-    """The uids of the overlap unit starting at instruction i of g ([] if none starts there)."""
-    u = plans.nodes[g][i]
-    overlap = dag.nodes[u].overlap
-    if overlap is None or (i > 0 and _overlap_at(dag, plans, g, i - 1) == overlap):
-        return []
-    unit = []
-    for v in plans.nodes[g][i:]:
-        if v is None:
-            continue
-        if dag.nodes[v].overlap != overlap:
-            break
-        unit.append(v)
-    return unit
-
-
-def _overlap_at(dag: TrainingDAG, plans: Plans, g: Group, i: int) -> int | None:
-    u = plans.nodes[g][i]
-    return None if u is None else dag.nodes[u].overlap
-
-
-def _peak_activations(
-    plans: Plans,
-    starts: dict[Group, list[float | None]],
-    ends: dict[Group, list[float | None]],
-) -> dict[Group, int]:
+def peak_activations(timeline: list[TimelineEvent], groups: list[Group]) -> dict[Group, int]:
     """Per group, the most forward activations alive at once (F start to last backward end)."""
+    born: dict[Group, dict[tuple[str, int | None], float]] = {g: {} for g in groups}
+    dies: dict[Group, dict[tuple[str, int | None], float]] = {g: {} for g in groups}
+    for e in timeline:
+        if e.kind not in PASS_KEYS:
+            continue
+        key = (e.label[len(e.kind) :].split(".")[0], e.microbatch)
+        if e.kind == "F":
+            born[e.group][key] = e.start
+            dies[e.group].setdefault(key, e.end)
+        else:
+            dies[e.group][key] = max(dies[e.group].get(key, e.end), e.end)
     peaks = {}
-    for g, plan in plans.plans.items():
-        born: dict[tuple[int | None, int | None], float] = {}
-        dies: dict[tuple[int | None, int | None], float] = {}
-        for i, ins in enumerate(plan):
-            if ins.op != RUN:
-                continue
-            key = (ins.region, ins.microbatch)
-            if ins.pass_ == "F":
-                born[key] = starts[g][i]
-                dies.setdefault(key, ends[g][i])
-            else:
-                dies[key] = max(dies.get(key, ends[g][i]), ends[g][i])
+    for g in groups:
         # at equal times a release comes before an allocation (-1 sorts before +1)
-        changes = sorted([(t, 1) for t in born.values()] + [(dies[k], -1) for k in born])
+        changes = sorted([(t, 1) for t in born[g].values()] + [(dies[g][k], -1) for k in born[g]])
         alive = peak = 0
         for _, delta in changes:
             alive += delta
             peak = max(peak, alive)
         peaks[g] = peak
     return peaks
-
-
-def _deadlock_report(
-    dag: TrainingDAG,
-    plans: Plans,
-    pc: dict[Group, int],
-    starts: dict[Group, list[float | None]],
-    members: dict[int, list[Group]],
-    finish: dict[int, float],
-) -> str:
-    """Which instruction each unfinished group is stuck at, what it waits for, the grid."""
-    stuck = [g for g in sorted(plans.plans) if pc[g] < len(plans.plans[g])]
-    name = {
-        u: str(ins)
-        for g in plans.plans
-        for ins, u in zip(plans.plans[g], plans.nodes[g])
-        if u is not None
-    }
-    reasons = []
-    for g in stuck:
-        u = plans.nodes[g][pc[g]]
-        waits = [
-            f"{name[p]} on {group_str(dag.nodes[p].devices)}"
-            if p in name
-            else f"{dag.nodes[p]} (#{p}, in no plan)"
-            for p in dag.preds(u)
-            if p not in finish
-        ]
-        absent = [
-            group_str(m)
-            for m in members[u]
-            if pc[m] >= len(plans.nodes[m]) or plans.nodes[m][pc[m]] != u
-        ]
-        why = []
-        if waits:
-            why.append("waits for " + ", ".join(waits))
-        if absent:
-            why.append("waits for member groups " + ", ".join(absent) + " to reach it")
-        reasons.append(f"  {group_str(g)}: {plans.plans[g][pc[g]]} {'; '.join(why)}")
-    # grid rows: distinct start times of what ran, then one row per unreached instruction
-    times = sorted({t for row in starts.values() for t in row if t is not None})
-    row_of = {t: r for r, t in enumerate(times)}
-    rounds: dict[Group, list[int]] = {}
-    for g, plan in plans.plans.items():
-        rows, last = [], -1
-        for i, ins in enumerate(plan):
-            t = starts[g][i]
-            if ins.op == FREE:  # not drawn in the grid
-                rows.append(max(last, 0))
-                continue
-            last = max(row_of[t], last + 1) if t is not None else max(len(times), last + 1)
-            rows.append(last)
-        rounds[g] = rows
-    return (
-        "plan deadlock in simulation: no device group can run its next instruction.\n"
-        + "\n".join(reasons)
-        + "\nEach waits for data or a collective that never comes; check the order "
-        "directives against the data flow.\n"
-        + format_grid(plans.plans, rounds, mark={g: pc[g] for g in stuck})
-    )

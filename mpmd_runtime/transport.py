@@ -1,15 +1,24 @@
 """Moving per-replica buffers between device groups, in one process or across several.
 
-Within one process a transfer is a `device_put` onto the receiving group's sharding.
-When the two groups' devices belong to more than one process, it is a jitted `ppermute`
-over a 1-D mesh of the sending devices followed by the receiving devices: replica i of
-the sender goes to replica i of the receiver. Every process holding one of those devices
-calls it, at the SEND's place in the global instruction order, so both sides always
-issue their transfers in the same relative order; the receiving side passes zeros.
+A buffer leaves its group stacked over the sender's replicas, (dp_s, rows_s, ...), and
+must arrive stacked over the receiver's, (dp_r, rows_r, ...). Groups of equal width pair
+replica i with replica i. Groups of different widths move each receiving replica exactly
+the batch rows it needs: leaves split along the batch are cut at the gcd of the two
+per-replica row counts and every piece goes straight from the replica holding it to the
+one needing it (Note [device groups as named meshes]).
+
+Within one process a transfer is `device_put` onto the receiving group's sharding (a
+batch-major view of the leaf when the widths differ). When the two groups' devices
+belong to more than one process, it is one jitted program over a 1-D mesh of the sending
+devices followed by the receiving devices, doing one `ppermute` per round of pieces.
+Every process holding one of those devices calls it, at the SEND's place in the global
+instruction order, so both sides always issue their transfers in the same relative
+order; the receiving side passes placeholder zeros.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,9 +29,10 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from piper_jax.ir.errors import PlanError
-from piper_jax.mpmd_runtime.programs import group_mesh, stacked
+from piper_jax.mpmd_runtime.programs import stacked
 
 Aval = tuple[tuple[int, ...], Any]
+_UNION = "u"
 
 
 def is_local(device: jax.Device) -> bool:
@@ -54,55 +64,144 @@ def host_to_group(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
 Transfer = Callable[[list[jax.Array] | None], tuple[list[jax.Array] | None, list[jax.Array]]]
 
 
-def make_transfer(src: Mesh, dst: Mesh, avals: Sequence[Aval]) -> Transfer:
+def make_transfer(
+    src: Mesh, dst: Mesh, src_avals: Sequence[Aval], dst_avals: Sequence[Aval]
+) -> Transfer:
     """A function taking the sender's stacked buffers (None where this process holds no
     sending device) and returning the receiver's (None where it holds no receiving one),
-    plus arrays that are ready once this process's part of the transfer is done."""
-    dst_sharding = stacked(dst)
+    plus arrays that are ready once this process's part of the transfer is done.
+
+    `src_avals` and `dst_avals` are the leaves' global shapes on each side; a leaf whose
+    shapes differ is split along its batch axis (axis 1, after the replica axis)."""
     devices = list(src.devices.flat) + list(dst.devices.flat)
     if all(is_local(d) for d in devices):
+        return _local_transfer(src, dst, src_avals, dst_avals)
+    return _cross_process_transfer(src, dst, src_avals, dst_avals)
 
-        def local_transfer(xs: list[jax.Array] | None) -> tuple[list[jax.Array], list]:
+
+def _local_transfer(
+    src: Mesh, dst: Mesh, src_avals: Sequence[Aval], dst_avals: Sequence[Aval]
+) -> Transfer:
+    dst_sharding = stacked(dst)
+    if list(src_avals) == list(dst_avals):
+
+        def same_width(xs: list[jax.Array] | None) -> tuple[list[jax.Array], list]:
             out = jax.device_put(xs, dst_sharding)
             return out, out
 
-        return local_transfer
-    width = src.size
-    mesh = group_mesh(devices)
-    pair_sharding = stacked(mesh)
-    perm = [(i, i + width) for i in range(width)]
+        return same_width
+    rows = [
+        (shape_s[0] * shape_s[1],) + tuple(shape_s[2:]) for shape_s, _ in src_avals
+    ]  # the batch-major view of each leaf
+    flatten = jax.jit(
+        lambda xs: [x.reshape(r) for x, r in zip(xs, rows)], out_shardings=stacked(src)
+    )
+    unflatten = jax.jit(
+        lambda xs: [x.reshape(s) for x, (s, _) in zip(xs, dst_avals)], out_shardings=dst_sharding
+    )
+
+    def reslice(xs: list[jax.Array] | None) -> tuple[list[jax.Array], list]:
+        out = unflatten(jax.device_put(flatten(xs), dst_sharding))
+        return out, out
+
+    return reslice
+
+
+def transfer_rounds(
+    width_src: int, rows_src: int, width_dst: int, rows_dst: int
+) -> tuple[int, list[list[tuple[int, int, int, int]]]]:
+    """How batch rows move from `width_src` replicas of `rows_src` rows each to
+    `width_dst` replicas of `rows_dst` rows each: the piece size (gcd of the row counts)
+    and rounds of (src replica, src offset, dst replica, dst offset) moves in which no
+    replica sends or receives twice."""
+    piece = math.gcd(rows_src, rows_dst)
+    total = width_src * rows_src
+    assert total == width_dst * rows_dst, (width_src, rows_src, width_dst, rows_dst)
+    rounds: list[list[tuple[int, int, int, int]]] = []
+    busy: list[tuple[set[int], set[int]]] = []
+    for start in range(0, total, piece):
+        s, s_off = divmod(start, rows_src)
+        d, d_off = divmod(start, rows_dst)
+        free = [k for k, (out, into) in enumerate(busy) if s not in out and d not in into]
+        k = free[0] if free else len(rounds)
+        if not free:
+            rounds.append([])
+            busy.append((set(), set()))
+        rounds[k].append((s, s_off, d, d_off))
+        busy[k][0].add(s)
+        busy[k][1].add(d)
+    return piece, rounds
+
+
+def _cross_process_transfer(
+    src: Mesh, dst: Mesh, src_avals: Sequence[Aval], dst_avals: Sequence[Aval]
+) -> Transfer:
+    """One jitted program over the union of both groups moving every leaf, piece by piece."""
+    n_src, n_dst = src.size, dst.size
+    mesh = Mesh(np.array(list(src.devices.flat) + list(dst.devices.flat)), (_UNION,))
+    union = NamedSharding(mesh, P(_UNION))
+    plans = []
+    for (s_shape, _), (d_shape, _) in zip(src_avals, dst_avals):
+        if s_shape == d_shape:  # equal widths: replica i -> replica i, whole
+            assert n_src == n_dst, (src, dst)
+            plans.append((0, [], True))
+        else:
+            piece, rounds = transfer_rounds(n_src, s_shape[1], n_dst, d_shape[1])
+            plans.append((piece, rounds, False))
+
+    def move(x: jax.Array, d_shape: tuple[int, ...], plan: tuple) -> jax.Array:
+        piece, rounds, whole = plan
+        me = jax.lax.axis_index(_UNION)
+        block = x[0]
+        if whole:
+            perm = [(i, n_src + i) for i in range(n_src)]
+            return jax.lax.ppermute(block, _UNION, perm)[None]
+        out = jnp.zeros(d_shape[1:], x.dtype)
+        for moves in rounds:
+            src_off = np.zeros(n_src + n_dst, np.int32)
+            dst_off = np.zeros(n_src + n_dst, np.int32)
+            takes = np.zeros(n_src + n_dst, bool)
+            for s, s_off, d, d_off in moves:
+                src_off[s], dst_off[n_src + d], takes[n_src + d] = s_off, d_off, True
+            part = jax.lax.dynamic_slice_in_dim(block, jnp.asarray(src_off)[me], piece, axis=0)
+            got = jax.lax.ppermute(part, _UNION, [(s, n_src + d) for s, _, d, _ in moves])
+            placed = jax.lax.dynamic_update_slice_in_dim(out, got, jnp.asarray(dst_off)[me], 0)
+            out = jnp.where(jnp.asarray(takes)[me], placed, out)
+        return out[None]
+
     program = jax.jit(
         jax.shard_map(
-            lambda xs: [jax.lax.ppermute(x, "r", perm) for x in xs],
+            lambda xs: [move(x, d, p) for x, (d, _), p in zip(xs, dst_avals, plans)],
             mesh=mesh,
-            in_specs=P("r"),
-            out_specs=P("r"),
+            in_specs=P(_UNION),
+            out_specs=P(_UNION),
+            check_vma=False,
         )
     )
     src_local = set(local_devices_of(src))
     dst_local = local_devices_of(dst)
+    dst_sharding = stacked(dst)
     # the receiving side's input is never read (nor donated): one zero buffer per leaf and
     # device serves every call, instead of a fresh allocation that faults its pages in
     placeholders = {
         (k, d): jnp.zeros((1,) + tuple(shape[1:]), dtype, device=d)
-        for k, (shape, dtype) in enumerate(avals)
+        for k, (shape, dtype) in enumerate(src_avals)
         for d in dst_local
     }
 
     def transfer(xs: list[jax.Array] | None) -> tuple[list[jax.Array] | None, list]:
         inputs = []
-        for k, (shape, _) in enumerate(avals):
+        for k, (shape, _) in enumerate(src_avals):
             shards = shards_by_device(xs[k]) if src_local else {}
             for d in dst_local:
                 shards[d] = placeholders[(k, d)]
-            full = (2 * width,) + tuple(shape[1:])
-            inputs.append(from_local_shards(full, pair_sharding, shards))
+            inputs.append(from_local_shards((n_src + n_dst,) + tuple(shape[1:]), union, shards))
         outs = program(inputs)
         if not dst_local:
             return None, outs
         received = [
             from_local_shards(tuple(shape), dst_sharding, shards_by_device(o))
-            for o, (shape, _) in zip(outs, avals)
+            for o, (shape, _) in zip(outs, dst_avals)
         ]
         return received, outs
 

@@ -15,7 +15,8 @@ from piper_jax.ir.errors import (
     PiperError,
     PlanError,
 )
-from piper_jax.train_step import TrainStep, compile
+from piper_jax.lowering import Lowered, lower
+from piper_jax.train_step import NonFiniteError, TrainStep, compile
 
 
 def split(filter: dict, dim_name: str = "MB", *, num_microbatches: int) -> Split:
@@ -64,6 +65,8 @@ __all__ = [
     "BatchError",
     "DirectiveError",
     "DistributedError",
+    "Lowered",
+    "NonFiniteError",
     "PiperError",
     "PlanError",
     "TrainStep",
@@ -72,6 +75,7 @@ __all__ = [
     "distributed",
     "dump_directives",
     "load_directives",
+    "lower",
     "order",
     "place",
     "recompute",

@@ -2,39 +2,32 @@
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import flax
 import jax
 import numpy as np
 import optax
 from flax import nnx
 
 from piper_jax import checkpoint
-from piper_jax.annotate import reset_annotation_counters
 from piper_jax.batching import check_batch_size
-from piper_jax.directives import apply_directives, check_directives, num_microbatches
-from piper_jax.directives.types import Replicate
-from piper_jax.ir import attach_updates, build_dag, lift
-from piper_jax.ir.dag import NodeKind, TrainingDAG, group_str
-from piper_jax.ir.errors import AnnotationError, BatchError, DirectiveError
-from piper_jax.ir.lift import LiftedLoss
-from piper_jax.mpmd_runtime import Executor, Plans, compile_plans
-from piper_jax.mpmd_runtime.simulator import Simulation, simulate
+from piper_jax.ir.errors import BatchError, DirectiveError, PiperError
+from piper_jax.lowering import Lowered, lower
+from piper_jax.mpmd_runtime import Executor
+from piper_jax.mpmd_runtime.simulator import Simulation
 from piper_jax.mpmd_runtime.timeline import write_timeline
 from piper_jax.mpmd_runtime.transport import check_same_plans
-from piper_jax.optimizer_check import plan_optimizer
 
 DEFAULT_STEP_TIMEOUT_S = 300.0
 
 
-def _leaf_names(tree: Any) -> tuple[list[str], list[Any], Any]:
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    names = [jax.tree_util.keystr(path).removesuffix(".value") for path, _ in leaves]
-    return names, [leaf for _, leaf in leaves], treedef
+class NonFiniteError(PiperError):
+    """A step's loss or gradients were not finite; its update was not applied."""
 
 
 def _check_devices(devices: Sequence[Any]) -> list[jax.Device]:
@@ -50,20 +43,6 @@ def _check_devices(devices: Sequence[Any]) -> list[jax.Device]:
     return devices
 
 
-def _replica_count(directives: Sequence[Any]) -> int:
-    widths = sorted({len(d.devices) for d in directives if isinstance(d, Replicate)})
-    if len(widths) > 1:
-        raise DirectiveError(
-            f"replicate directives use {widths} devices: every region must be replicated "
-            "the same number of times"
-        )
-    return widths[0] if widths else 1
-
-
-def _check_batch(leaves: Sequence[Any], names: Sequence[str], parts: int, what: str) -> int:
-    return check_batch_size(leaves, names, parts, what, "num_microbatches x replicas")
-
-
 def compile(
     loss_fn: Callable[[nnx.Module, Any], jax.Array],
     model: nnx.Module,
@@ -72,6 +51,9 @@ def compile(
     directives: Sequence[Any] = (),
     devices: Sequence[jax.Device] | None = None,
     timeout_s: float | None = None,
+    *,
+    nonfinite: str = "raise",
+    fuse_collectives: bool = True,
 ) -> TrainStep:
     """Compile a training step of `model` under a directive list.
 
@@ -79,125 +61,104 @@ def compile(
       loss_fn: loss_fn(model, batch) -> scalar; a mean over the batch for the step to
         equal single-device training.
       model: a flax.nnx.Module whose code marks regions with `piper_jax.annotate`.
-      optimizer: an optax transformation; it must treat parameters independently.
+      optimizer: an optax transformation; it must treat parameters independently (or
+        clip by their global norm).
       example_batch: a global batch (pytree of arrays with a leading batch axis).
-      directives: split, place, replicate, order, schedule builders' outputs.
+      directives: split, place, replicate, order, recompute, schedule builders' outputs.
       devices: the devices directive indices refer to; default `jax.devices()`.
       timeout_s: how long a step may take before it fails naming the instruction and
         peer it waits on (a dead or stalled process); default $PIPER_STEP_TIMEOUT or 300.
+      nonfinite: what a step whose gradients (or loss) are not finite does. "raise"
+        (default): its update is skipped on every device group (parameters and optimizer
+        state stay as before the step) and the step raises NonFiniteError naming it;
+        "skip": the update is skipped, a warning is given and training goes on;
+        "ignore": no check (and no global-norm collective unless the optimizer needs it).
+      fuse_collectives: run each ZeRO collective inside the program of the pass it
+        serves (default); False runs every collective as a program of its own.
 
     Returns:
       A TrainStep; call it with a global batch to run one training step.
     """
     devices = _check_devices(jax.devices() if devices is None else devices)
-    directives = check_directives(directives)
-    m = num_microbatches(directives)
-    replicas = _replica_count(directives)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    param_names, param_leaves, param_treedef = _leaf_names(params)
-    batch_names, batch_leaves, batch_treedef = _leaf_names(example_batch)
-    size = _check_batch(batch_leaves, batch_names, m * replicas, "example_batch")
-    local = size // (m * replicas)
-
-    def flat_loss(p_leaves: list, b_leaves: list) -> jax.Array:
-        p = jax.tree_util.tree_unflatten(param_treedef, p_leaves)
-        b = jax.tree_util.tree_unflatten(batch_treedef, b_leaves)
-        return loss_fn(nnx.merge(graphdef, p, rest), b)
-
-    reset_annotation_counters()
-    try:
-        lifted = lift(
-            flat_loss,
-            [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in param_leaves],
-            [
-                jax.ShapeDtypeStruct((local,) + np.shape(x)[1:], np.asarray(x).dtype)
-                for x in batch_leaves
-            ],
-            param_names,
-            batch_names,
-        )
-    except flax.errors.TraceContextError as err:
-        raise AnnotationError(
-            "the model changes state other than its nnx.Param while computing the loss "
-            "(dropout RNG counters, BatchNorm statistics, ...): not supported yet; make the "
-            f"model deterministic for training with piper-jax ({err.__class__.__name__})"
-        ) from err
-    dag = apply_directives(build_dag(lifted), lifted, directives, len(devices))
-    upds = list(dag.of_kind(NodeKind.UPD))
-    global_norm = plan_optimizer(
-        optimizer, param_leaves, [n.params for n in upds], any(n.zero for n in upds)
+    lowered = lower(
+        loss_fn,
+        model,
+        optimizer,
+        example_batch,
+        directives,
+        len(devices),
+        nonfinite=nonfinite,
+        fuse_collectives=fuse_collectives,
     )
-    if global_norm:
-        dag = attach_updates(dag, lifted, global_norm=True)
-    plans = compile_plans(dag, {r.index for r in lifted.regions if r.batch_ids})
-    check_same_plans(plans.fingerprint(), "plans")
-    executor = Executor(dag, plans, lifted, optimizer, devices, param_leaves, m, global_norm)
+    shapes = repr([(np.shape(x), str(np.asarray(x).dtype)) for x in lowered.param_leaves])
+    check_same_plans(lowered.plans.fingerprint(shapes + repr(lowered.batch.avals)), "plans")
+    executor = Executor(
+        lowered.plans,
+        lowered.lifts,
+        optimizer,
+        devices,
+        lowered.param_leaves,
+        lowered.param_tree,
+        lowered.batch.num_microbatches,
+        lowered.carrier,
+    )
     if timeout_s is None:
         timeout_s = float(os.environ.get("PIPER_STEP_TIMEOUT", DEFAULT_STEP_TIMEOUT_S))
-    return TrainStep(
-        dag,
-        plans,
-        lifted,
-        executor,
-        (graphdef, param_treedef, rest),
-        (
-            batch_treedef,
-            batch_names,
-            size,
-            m * replicas,
-            [(np.shape(x), np.asarray(x).dtype) for x in batch_leaves],
-        ),
-        timeout_s,
-    )
+    return TrainStep(lowered, executor, timeout_s, nonfinite)
 
 
 class TrainStep:
     """A compiled training step: call it with a global batch; inspect dag, plans, explain()."""
 
     def __init__(
-        self,
-        dag: TrainingDAG,
-        plans: Plans,
-        lifted: LiftedLoss,
-        executor: Executor,
-        model_parts: tuple,
-        batch_spec: tuple,
-        timeout_s: float = 300.0,
+        self, lowered: Lowered, executor: Executor, timeout_s: float, nonfinite: str = "raise"
     ):
-        self.dag, self.plans, self.lifted = dag, plans, lifted
-        self.timeout_s = timeout_s
+        self.lowered = lowered
+        self.dag, self.plans, self.lifted = lowered.dag, lowered.plans, lowered.lifted
+        self.timeout_s, self.nonfinite = timeout_s, nonfinite
+        self.steps_run = 0
         self._executor = executor
-        self._graphdef, self._param_treedef, self._rest = model_parts
-        (
-            self._batch_treedef,
-            self._batch_names,
-            self._batch_size,
-            self._parts,
-            self._batch_avals,
-        ) = batch_spec
+        self._graphdef, self._param_treedef, self._rest = lowered.model_parts
 
     def __call__(self, batch: Any) -> dict[str, float]:
-        return {"loss": self._executor.step(self._batch_leaves(batch), self.timeout_s)}
+        metrics = self._executor.step(self._batch_leaves(batch), self.timeout_s)
+        self.steps_run += 1
+        if self.nonfinite != "ignore" and not all(math.isfinite(v) for v in metrics.values()):
+            what = ", ".join(f"{k} {v}" for k, v in metrics.items())
+            message = (
+                f"step {self.steps_run} (counting from 1 since compile): {what} is not finite, "
+                "so its update was skipped: parameters and optimizer state are those before "
+                "this step. Look for NaN/inf in the batch or an exploding loss (lower the "
+                "learning rate, clip gradients)"
+            )
+            if self.nonfinite == "raise":
+                raise NonFiniteError(message + '; compile(..., nonfinite="skip") goes on instead')
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            metrics["skipped"] = 1.0
+        return metrics
 
     def _batch_leaves(self, batch: Any) -> list[np.ndarray]:
+        spec = self.lowered.batch
         leaves, treedef = jax.tree_util.tree_flatten(batch)
-        if treedef != self._batch_treedef:
+        if treedef != spec.treedef:
             raise BatchError(
-                f"batch structure {treedef} differs from the example batch's {self._batch_treedef}"
+                f"batch structure {treedef} differs from the example batch's {spec.treedef}"
             )
         leaves = [np.asarray(x) for x in leaves]
-        for name, leaf, (shape, dtype) in zip(self._batch_names, leaves, self._batch_avals):
-            if leaf.shape[1:] != shape[1:] or leaf.dtype != dtype:
+        for name, leaf, (shape, dtype) in zip(spec.names, leaves, spec.avals):
+            if leaf.shape[1:] != tuple(shape[1:]) or leaf.dtype != dtype:
                 raise BatchError(
                     f"batch leaf {name} is {leaf.dtype}{list(leaf.shape)}, but the step was "
                     f"compiled for {np.dtype(dtype)}{list(shape)}; keep every leaf's trailing "
                     "shape and dtype, or compile again"
                 )
-        size = _check_batch(leaves, self._batch_names, self._parts, "batch")
-        if size != self._batch_size:
+        size = check_batch_size(
+            leaves, spec.names, spec.num_microbatches, "batch", "num_microbatches"
+        )
+        if size != spec.size:
             raise BatchError(
                 f"batch size {size} differs from the compiled example batch's "
-                f"{self._batch_size}; compile again for a new batch size"
+                f"{spec.size}; compile again for a new batch size"
             )
         return leaves
 
@@ -229,11 +190,11 @@ class TrainStep:
         Returns a Simulation with .step_time, .bubble_fraction, .peak_activations (per
         device group, in microbatch-activation units) and .timeline.
         """
-        return simulate(self.dag, self.plans, costs or {"F": 1, "B": 2}, transfer_latency)
+        return self.lowered.simulate(costs, transfer_latency)
 
     def measure_costs(self, batch: Any, repeats: int = 3) -> dict[str, float]:
         """Seconds per pass (and per op) for `simulate`, from `repeats` instrumented steps
-        on `batch` (each trains a step): per kind, the median over all its instructions.
+        on `batch` (each trains a step): per kind, the median over all its steps.
         Call it after one ordinary step, so compilation is not measured."""
         times: dict[str, list[float]] = {}
         for _ in range(repeats):
@@ -269,19 +230,5 @@ class TrainStep:
         return table
 
     def explain(self) -> str:
-        """Regions, their placement, and each device group's instruction list."""
-        groups = {n.region: n.devices for n in self.dag.compute_nodes()}
-        lines = ["regions:"]
-        for r in self.lifted.regions:
-            lines.append(
-                f"  region {r.index} {r}: {len(r.param_ids)} params, "
-                f"on {group_str(groups[r.index])}"
-            )
-        lines.append("plan grid (rows: lockstep steps, columns: device groups):")
-        lines.append(self.plans.grid())
-        for g, plan in sorted(self.plans.plans.items()):
-            lines.append(f"plan {group_str(g)}: " + "; ".join(str(i) for i in plan))
-        if self._executor.fused:
-            lines.append("overlap units fused into one program each:")
-            lines += [f"  {unit}" for unit in self._executor.fused]
-        return "\n".join(lines)
+        """Regions, their placement and layouts, and each device group's plan."""
+        return self.lowered.explain()

@@ -96,18 +96,16 @@ def check_mlp_strategy(
     return step
 
 
-def deadlocked_plans(step: Any) -> tuple[dict, dict]:
-    """The plans and node lists of a PP=2, m=2 1F1B step, edited so that d0 waits for
-    B1.0 before sending F0.1 while d1 waits for F0.1 before sending B1.0."""
-    plans = {g: list(p) for g, p in step.plans.plans.items()}
-    nodes = {g: list(n) for g, n in step.plans.nodes.items()}
+def deadlocked_steps(step: Any) -> dict:
+    """The steps of a PP=2, m=2 1F1B step's plans, edited so that d0 waits for B1.0
+    before sending F0.1 while d1 waits for F0.1 before sending B1.0."""
+    steps = {g: list(s) for g, s in step.plans.steps.items()}
 
     def move_before(group: tuple, text: str, anchor: str) -> None:
-        names = [str(x) for x in plans[group]]
+        names = [str(x) for x in steps[group]]
         i, j = names.index(text), names.index(anchor)
-        for seq in (plans[group], nodes[group]):
-            seq.insert(j, seq.pop(i))
+        steps[group].insert(j, steps[group].pop(i))
 
     move_before((0,), "RECV B1.0 <- d1", "SEND F0.1 -> d1")
     move_before((1,), "RECV F0.1 <- d0", "SEND B1.0 -> d0")
-    return plans, nodes
+    return steps

@@ -6,7 +6,7 @@ import json
 
 import optax
 import pytest
-from helpers import StageMLP, mlp_batches, mlp_loss
+from helpers import StageMLP, check_mlp_strategy, mlp_batches, mlp_loss
 
 import piper_jax as piper
 from piper_jax import schedules
@@ -136,21 +136,27 @@ def test_all_errors_are_value_errors() -> None:
         assert issubclass(cls, piper.PiperError)
 
 
-def test_overlap_group_of_dependent_passes_refused() -> None:
-    """Passes in one order group run as one program: F1.0 cannot overlap F0.0, it needs
-    its output (this used to crash at the first step, and through another device, hang)."""
-    together = piper.order([[{"PP": 0, "MB": 0, "PASS": "F"}, {"PP": 1, "MB": 0, "PASS": "F"}]])
-    with pytest.raises(piper.DirectiveError, match="F1.0 needs F0.0's output"):
-        compile_mlp([piper.split({"PP": "*"}, num_microbatches=2), together])
-    with pytest.raises(piper.DirectiveError, match="B0.0 needs F0.0's output"):
+def test_overlap_group_needing_itself_through_another_group_refused() -> None:
+    """Passes in one order group run as one program once all its inputs exist: B0.0 needs
+    F0.0's output by way of F1.0 and B1.0 on d1, so the two cannot share a program (this
+    used to crash at the first step, and through another device, hang)."""
+    together = piper.order([[{"PP": 0, "MB": 0, "PASS": "F"}, {"PP": 0, "MB": 0, "PASS": "B"}]])
+    with pytest.raises(piper.DirectiveError, match="B0.0 needs F0.0's output by way of"):
         compile_mlp(
             [
                 piper.split({"PP": "*"}, num_microbatches=2),
                 piper.place({"PP": 0}, [0]),
                 piper.place({"PP": 1}, [1]),
-                piper.order([[{"PP": 0, "MB": 0}], [{"PP": 0, "MB": 1}]]),
+                together,
             ]
         )
+
+
+def test_overlap_group_of_dependent_passes_on_one_device_runs_as_one_program() -> None:
+    """F0.0 and F1.0 on one device: the group's program runs them in data order."""
+    together = piper.order([[{"PP": 0, "MB": 0, "PASS": "F"}, {"PP": 1, "MB": 0, "PASS": "F"}]])
+    step = check_mlp_strategy([piper.split({"PP": "*"}, num_microbatches=2), together], OPT)
+    assert "F0.0 + F1.0" in step.explain()
 
 
 def test_batch_with_other_trailing_shape_or_dtype() -> None:

@@ -74,7 +74,7 @@ def test_dualpipev_overlap_groups_put_forward_and_backward_side_by_side() -> Non
         split(4) + dualpipev_placement(2) + schedules.dualpipev(2, 4),
     )
     # rank 0's main loop: F of stage 0 with the whole backward of stage 3, one XLA program
-    assert re.search(r"d0: F0\.\d \+ BI3\.\d \+ BW3\.\d", step.explain())
+    assert re.search(r"; F0\.\d \+ BI3\.\d \+ BW3\.\d;", step.explain())
     runs = [str(i) for i in step.plans.plans[(0,)] if i.op == "RUN"]
     # rank 0 holds stages 0 and 3; its main loop pairs F0 with B3 (BI and BW together)
     assert "F0.2" in runs and runs.index("BI3.0") < runs.index("F0.3")

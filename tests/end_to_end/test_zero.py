@@ -76,7 +76,8 @@ def test_zero_memory_per_device() -> None:
     assert zero2["params"] == dp["params"]
     assert zero3["params"] + zero3["opt_state"] <= (dp["params"] + dp["opt_state"]) / 4 + small
     assert zero3["grads"] <= dp["grads"] / 4 + small
-    assert zero3["activations"] < dp["activations"]  # no gathered weight kept as residual
+    # no residual keeps a (gathered) weight, under ZeRO-3 or not: the same activations
+    assert zero3["activations"] == dp["activations"]
 
 
 @pytest.mark.parametrize("layout", [dp4, pp2_dp2])

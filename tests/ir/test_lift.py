@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import StageMLP, mlp_batches, mlp_loss
+from piper_jax.directives import apply_directives
 from piper_jax.ir import AnnotationError, NodeKind, build_dag, lift
 
 import piper_jax as piper
@@ -101,7 +102,8 @@ def test_dag_of_two_region_mlp() -> None:
     dag = build_dag(lifted)
     labels = sorted(str(n) for n in dag.compute_nodes())
     assert labels == ["B0", "B1", "F0", "F1"]
-    upd = list(dag.of_kind(NodeKind.UPD))
+    assert not list(dag.of_kind(NodeKind.UPD))  # the directive passes add the updates
+    upd = list(apply_directives(dag, lifted, [], num_devices=1).of_kind(NodeKind.UPD))
     assert [n.region for n in upd] == [0, 1]  # the tied embedding is owned by region 0
     assert "F0" in dag.to_text() and '"kind": "COMPUTE"' in dag.to_json()
     assert dag.find_cycle() is None

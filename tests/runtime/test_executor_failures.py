@@ -33,7 +33,7 @@ def test_an_error_found_while_waiting_names_the_first_failed_instruction(monkeyp
     failing = next(
         i
         for i, (members, position) in enumerate(executor.step_events)
-        if executor.plans.plans[members[0]][position[0]].op == "SEND"
+        if executor.plans.steps[members[0]][position[0]].head.op == "SEND"
     )
     real_block = jax.block_until_ready
 
@@ -46,11 +46,11 @@ def test_an_error_found_while_waiting_names_the_first_failed_instruction(monkeyp
         return real_block(tree)
 
     monkeypatch.setattr(jax, "block_until_ready", block)
-    monkeypatch.setattr(executor, "_peers_of", lambda index: [1])
+    monkeypatch.setattr(executor.failures, "peers_of", lambda index: [1])
     with pytest.raises(piper.PiperError) as info:
         step(batch)
     members, position = executor.step_events[failing]
-    instruction = str(executor.plans.plans[members[0]][position[0]])
+    instruction = str(executor.plans.steps[members[0]][position[0]])
     assert f"instruction '{instruction}'" in str(info.value)
     assert "connection closed by peer" in str(info.value)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import optax
 import pytest
-from helpers import StageMLP, deadlocked_plans, mlp_batches, mlp_loss
-from piper_jax.mpmd_runtime import dry_run, parse
+from helpers import StageMLP, deadlocked_steps, mlp_batches, mlp_loss
+from piper_jax.mpmd_runtime import dry_run, parse, parse_step
 from piper_jax.mpmd_runtime.instructions import Instruction
 
 import piper_jax as piper
@@ -17,9 +17,16 @@ INSTRUCTIONS = [
     "UPD1",
     "SEND F1.3 -> d1,3",
     "RECV B2.0 <- d0",
-    "ALL_REDUCE #12 d0,2",
+    "ALL_REDUCE grad[0,2] d0,2",
+    "ALL_REDUCE grad[0,2]/1 d0,2",
+    "ALL_REDUCE gnorm d0,1,2,3",
+    "REDUCE_SCATTER grad[B0.3] d0,2",
+    "REDUCE_SCATTER grad[BW0.3]/2 d0,2",
+    "ALL_GATHER param[F0.3] d0,2",
+    "ALL_GATHER param[UPD0] d0,2",
     "FREE F1.3",
     "FREE batch.3",
+    "FREE grad[0,2]",
 ]
 
 
@@ -32,6 +39,13 @@ def test_instruction_round_trip(text: str) -> None:
 def test_parse_rejects_garbage() -> None:
     with pytest.raises(ValueError, match="not an instruction"):
         parse("JUMP 3")
+
+
+def test_fused_step_round_trip() -> None:
+    text = "ALL_GATHER param[F0.3] d0,2 + F0.3"
+    step = parse_step(text)
+    assert str(step) == text and [i.op for i in step.instructions] == ["ALL_GATHER", "RUN"]
+    assert step.instructions[0].label == step.instructions[1].label  # the pass it serves
 
 
 def pp2_step(m: int = 4):
@@ -62,8 +76,7 @@ def test_1f1b_plans() -> None:
 
 def test_dry_run_reports_deadlock_with_marked_grid() -> None:
     step = pp2_step(2)
-    plans, nodes = deadlocked_plans(step)
     with pytest.raises(piper.PlanError, match=r"plan deadlock(.|\n)*>> "):
-        dry_run(step.dag, plans, nodes)
+        dry_run(deadlocked_steps(step))
     # the compiled plans themselves pass
-    dry_run(step.dag, step.plans.plans, step.plans.nodes)
+    dry_run(step.plans.steps)

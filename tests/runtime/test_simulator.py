@@ -8,7 +8,7 @@ import json
 
 import optax
 import pytest
-from helpers import StageMLP, deadlocked_plans, mlp_batches, mlp_loss
+from helpers import StageMLP, deadlocked_steps, mlp_batches, mlp_loss
 from piper_jax.mpmd_runtime.simulator import resolve_costs, simulate
 from piper_jax.mpmd_runtime.timeline import write_timeline
 
@@ -30,7 +30,7 @@ def pipeline_step(schedule: str, p: int, m: int):
 
 def test_1f1b_p4_m8_closed_forms() -> None:
     step = pipeline_step("one_f_one_b", 4, 8)
-    sim = simulate(step.dag, step.plans, FB)
+    sim = simulate(step.plans, FB)
     assert sim.step_time == 33  # (m + p - 1)(F + B)
     assert sim.bubble_fraction == pytest.approx(3 / 11)  # (p - 1) / (m + p - 1)
     assert sim.idle == {(s,): 9 for s in range(4)}  # (p - 1)(F + B) on every device
@@ -40,7 +40,7 @@ def test_1f1b_p4_m8_closed_forms() -> None:
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8)])
 def test_1f1b_bubble_fraction(p: int, m: int) -> None:
     step = pipeline_step("one_f_one_b", p, m)
-    sim = simulate(step.dag, step.plans, FB)
+    sim = simulate(step.plans, FB)
     assert sim.step_time == (m + p - 1) * 3
     assert sim.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
     assert sim.peak_activations[(0,)] == p
@@ -50,7 +50,7 @@ def test_1f1b_bubble_fraction(p: int, m: int) -> None:
 
 def test_gpipe_p4_m8_holds_all_microbatches() -> None:
     step = pipeline_step("gpipe", 4, 8)
-    sim = simulate(step.dag, step.plans, FB)
+    sim = simulate(step.plans, FB)
     assert sim.peak_activations[(0,)] == 8  # m
     assert sim.step_time == 33  # the same bubble as 1F1B, (p - 1)(F + B)
     assert sim.bubble_fraction == pytest.approx(3 / 11)
@@ -58,7 +58,7 @@ def test_gpipe_p4_m8_holds_all_microbatches() -> None:
 
 def test_timeline_is_consistent() -> None:
     step = pipeline_step("one_f_one_b", 4, 8)
-    sim = simulate(step.dag, step.plans, FB)
+    sim = simulate(step.plans, FB)
     non_free = sum(1 for plan in step.plans.plans.values() for i in plan if i.op != "FREE")
     assert len(sim.timeline) == non_free
     by_group: dict = {}
@@ -72,20 +72,23 @@ def test_timeline_is_consistent() -> None:
 
 
 def test_collective_and_update_costs() -> None:
-    # the tied embedding makes an ALL_REDUCE over d0 and d3 before UPD0 and UPD3
+    # the tied embedding makes an ALL_REDUCE over d0 and d3; then the global gradient
+    # norm (the non-finite guard) is summed over every group, before any update
     step = pipeline_step("one_f_one_b", 4, 8)
-    sim = simulate(step.dag, step.plans, {**FB, "ALL_REDUCE": 5, "UPD": 1})
-    reduce = [e for e in sim.timeline if e.kind == "ALL_REDUCE"]
-    assert sorted(e.group for e in reduce) == [(0,), (3,)]
-    assert {(e.start, e.end) for e in reduce} == {(33, 38)}  # waits for d0's last B
-    assert sim.step_time == 39
-    assert sim.idle[(0,)] == 39 - 25  # UPD counts as compute, the all-reduce does not
+    sim = simulate(step.plans, {**FB, "ALL_REDUCE": 5, "UPD": 1})
+    tied = [e for e in sim.timeline if e.label == "ALL_REDUCE grad[0,3] d0,3"]
+    assert sorted(e.group for e in tied) == [(0,), (3,)]
+    assert {(e.start, e.end) for e in tied} == {(33, 38)}  # waits for d0's last B
+    norm = [e for e in sim.timeline if e.label.startswith("ALL_REDUCE gnorm")]
+    assert len(norm) == 4 and {(e.start, e.end) for e in norm} == {(38, 43)}
+    assert sim.step_time == 44
+    assert sim.idle[(0,)] == 44 - 25  # UPD counts as compute, the all-reduces do not
 
 
 def test_transfer_latency_delays_receives() -> None:
     step = pipeline_step("one_f_one_b", 2, 4)
-    base = simulate(step.dag, step.plans, FB)
-    sim = simulate(step.dag, step.plans, FB, transfer_latency=0.5)
+    base = simulate(step.plans, FB)
+    sim = simulate(step.plans, FB, transfer_latency=0.5)
     assert sim.step_time > base.step_time
     sends = {e.label.split()[1]: e for e in sim.timeline if e.kind == "SEND"}
     recvs = [e for e in sim.timeline if e.kind == "RECV"]
@@ -99,27 +102,26 @@ def test_costs() -> None:
     assert resolve_costs({"F": 1, "B": 2})["BI"] == 1
     assert resolve_costs({"F": 1, "B": 3, "BW": 1})["BI"] == 2
     step = pipeline_step("one_f_one_b", 2, 4)
-    split = simulate(step.dag, step.plans, {"F": 1, "BI": 1, "BW": 1})
-    assert split.step_time == simulate(step.dag, step.plans, FB).step_time
+    split = simulate(step.plans, {"F": 1, "BI": 1, "BW": 1})
+    assert split.step_time == simulate(step.plans, FB).step_time
     with pytest.raises(piper.PiperError, match="unknown cost key 'FWD'"):
-        simulate(step.dag, step.plans, {"FWD": 1, "B": 2})
+        simulate(step.plans, {"FWD": 1, "B": 2})
     with pytest.raises(piper.PiperError, match="no 'F'"):
-        simulate(step.dag, step.plans, {"B": 2})
+        simulate(step.plans, {"B": 2})
     with pytest.raises(piper.PiperError, match="'B' must be a finite number >= 0"):
-        simulate(step.dag, step.plans, {"F": 1, "B": -2})
+        simulate(step.plans, {"F": 1, "B": -2})
 
 
 def test_deadlock_raises_plan_error() -> None:
     step = pipeline_step("one_f_one_b", 2, 2)
-    plans, nodes = deadlocked_plans(step)
-    bad = dataclasses.replace(step.plans, plans=plans, nodes=nodes)
+    bad = dataclasses.replace(step.plans, steps=deadlocked_steps(step))
     with pytest.raises(piper.PlanError, match=r"deadlock(.|\n)*d0: RECV B1.0 <- d1(.|\n)*>> "):
-        simulate(step.dag, bad, FB)
+        simulate(bad, FB)
 
 
 def test_write_timeline_png_and_json(tmp_path) -> None:
     step = pipeline_step("one_f_one_b", 4, 8)
-    sim = simulate(step.dag, step.plans, FB)
+    sim = simulate(step.plans, FB)
     png = tmp_path / "timeline.png"
     write_timeline(sim.timeline, png, title="1F1B p=4 m=8")
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

@@ -1,0 +1,34 @@
+"""replicate: data parallelism. The matched regions' device group becomes a mesh with a
+`dp` axis over its devices, each replica running the region on its slice of the batch,
+and the group's parameter layout says how gradients are synchronised: all-reduced once
+per step, or ZeRO (`shard_grads`, `shard_params`; Note [ZeRO in piper-jax]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from piper_jax.directives.filters import filter_str
+from piper_jax.directives.place import check_range, matched_nodes
+from piper_jax.directives.types import Replicate
+from piper_jax.ir.dag import TrainingDAG
+from piper_jax.ir.errors import DirectiveError
+from piper_jax.ir.layout import DeviceMesh, ParamLayout
+
+
+def apply_replicate(dag: TrainingDAG, directive: Replicate, num_devices: int) -> TrainingDAG:
+    where = "replicate"
+    check_range(directive.devices, num_devices, where)
+    level = 3 if directive.shard_params else 2 if directive.shard_grads else 0
+    layout = ParamLayout(zero_level=level, bucket_mb=directive.bucket_size)
+    mesh = DeviceMesh.data_parallel(directive.devices)
+    dag = dag.copy()
+    for node in matched_nodes(dag, directive, where):
+        if node.mesh is not None and node.devices != directive.devices:
+            raise DirectiveError(
+                f"replicate {filter_str(directive.filter)}: {node} is placed on "
+                f"{list(node.devices)} but replicated over {list(directive.devices)}; "
+                "use the same devices in both"
+            )
+        dag.replace(dataclasses.replace(node, mesh=mesh, param_layout=layout))
+    return dag

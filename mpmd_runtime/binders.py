@@ -1,0 +1,377 @@
+"""Instructions -> what the executor runs: one table of binders keyed by op.
+
+An instruction that runs on one device group only (a pass, an update, a collective
+inside the group) binds to a `Piece`: a function from the buffers it reads to the
+buffers it writes (as `buffers.access` lists them), traceable, so that the pieces of a
+fused step compose into one XLA program. An instruction that spans groups (SEND, RECV,
+FREE, a collective over several groups) binds to an `Exchange` closure instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from piper_jax.ir.layout import Placement
+from piper_jax.mpmd_runtime import buffers as bf
+from piper_jax.mpmd_runtime import collectives, zero
+from piper_jax.mpmd_runtime.instructions import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    FREE,
+    GNORM,
+    RECV,
+    REDUCE_SCATTER,
+    RUN,
+    SEND,
+    UPD,
+    Instruction,
+)
+from piper_jax.mpmd_runtime.programs import AXIS, replicated, spmd, stacked
+from piper_jax.mpmd_runtime.transport import from_local_shards, make_transfer, shards_by_device
+
+if TYPE_CHECKING:
+    from piper_jax.mpmd_runtime.executor import Runtime
+
+Group = tuple[int, ...]
+Env = dict[bf.Buffer, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One instruction as a traceable function of its group's buffers."""
+
+    access: bf.Access
+    fn: Callable[[Env], Env]
+
+
+Exchange = Callable[[], Any]
+
+
+# ---- pieces ------------------------------------------------------------------------
+
+
+def run_piece(rt: Runtime, g: Group, ins: Instruction) -> Piece:
+    label = ins.label
+    access = bf.access(ins, g, rt.ctx)
+    programs = rt.programs(label.region, g)
+    region = programs.region
+    reads = access.reads
+    n_params = len(rt.ctx.param_inputs(g, label))
+    gathered = n_params == 1 and reads[0].kind is bf.Kind.VALUE
+    res, mb = bf.residuals(label.region, label.microbatch), label.microbatch
+
+    def params(env: Env) -> list:
+        if gathered:
+            return list(env[reads[0]])
+        return [env[b] for b in reads[:n_params]]
+
+    if label.pass_ == "F":
+        batch_buf = bf.batch(mb)
+        acts = [(bf.value(f"F{a.region}.{mb}"), a.position) for a in region.act_inputs]
+        writes = access.writes
+
+        def forward(env: Env) -> Env:
+            batch = [env[batch_buf][i] for i in region.batch_ids] if region.batch_ids else []
+            outs, kept = programs.forward(params(env), batch, [env[b][k] for b, k in acts])
+            out = {writes[0]: outs, writes[1]: kept}
+            if len(writes) > 2:  # the loss of this microbatch, stacked over replicas
+                out[writes[2]] = outs[region.loss_position]
+            return out
+
+        return Piece(access, forward)
+    cots = [bf.value(f"{rt.ctx.cotangent_pass(c, mb)}{c}.{mb}") for c in programs.consumers]
+    names = rt.ctx.names(region.param_ids)
+    accs = [bf.acc(n) for n in names]
+    sharded = rt.ctx.zero_level[g] >= 2
+    grads_out = bf.value(f"grad[{label}]")
+
+    def gradients(out: Env, grads: list) -> Env:
+        if sharded:
+            out[grads_out] = grads
+        else:
+            out.update(zip(accs, grads))
+        return out
+
+    if label.pass_ == "B":
+
+        def backward(env: Env) -> Env:
+            acc = () if sharded else ([env[a] for a in accs],)
+            g_acts, grads = programs.backward[not sharded](
+                params(env), env[res], [env[c] for c in cots], *acc
+            )
+            return gradients({bf.value(label): g_acts}, grads)
+
+        return Piece(access, backward)
+    if label.pass_ == "BI":
+        x = bf.cross(label.region, mb)
+
+        def backward_input(env: Env) -> Env:
+            g_acts, cross = programs.backward_input(params(env), env[res], [env[c] for c in cots])
+            return {bf.value(label): g_acts, x: cross}
+
+        return Piece(access, backward_input)
+    x = bf.cross(label.region, mb)
+
+    def backward_weight(env: Env) -> Env:
+        acc = () if sharded else ([env[a] for a in accs],)
+        grads = programs.backward_weight[not sharded](params(env), env[res], env[x], *acc)
+        return gradients({}, grads)
+
+    return Piece(access, backward_weight)
+
+
+def gather_piece(rt: Runtime, g: Group, ins: Instruction) -> Piece:
+    """ZeRO: parameter shards -> whole replicated parameters, one all-gather per dtype."""
+    access = bf.access(ins, g, rt.ctx)
+    mesh = rt.meshes[g]
+    if ins.value.startswith("param[UPD"):
+        names = [b.name for b in access.writes]
+    else:
+        names = [b.name for b in access.reads]
+    shapes = [rt.param_shape(n) for n in names]
+    program = spmd(lambda rows: zero.gather_all(rows, shapes), mesh, (P(AXIS),), P())
+
+    if ins.value.startswith("param[UPD"):  # ZeRO-2: the updated shards become parameters
+
+        def gather_updated(env: Env) -> Env:
+            return dict(zip(access.writes, program(env[access.reads[0]])))
+
+        return Piece(access, gather_updated)
+
+    def gather(env: Env) -> Env:
+        return {access.writes[0]: program([env[b] for b in access.reads])}
+
+    return Piece(access, gather)
+
+
+def scatter_piece(rt: Runtime, g: Group, ins: Instruction) -> Piece:
+    """ZeRO: a backward's per-replica gradients -> the replica's shard of their sum, added
+    to its accumulators."""
+    access = bf.access(ins, g, rt.ctx)
+    grads_buf, accs = access.reads[0], access.reads[1:]
+    region = rt.ctx.lifted.regions[ins.region]
+    position = {n: i for i, n in enumerate(rt.ctx.names(region.param_ids))}
+    take = [position[a.name] for a in accs]
+    width = rt.meshes[g].size
+
+    def reduce_scatter(grads: list, acc: list) -> list:
+        shards = zero.scatter_all([grads[i][0].astype(a.dtype) for i, a in zip(take, acc)], width)
+        return [a + s for a, s in zip(acc, shards)]
+
+    program = spmd(reduce_scatter, rt.meshes[g], (P(AXIS), P(AXIS)), P(AXIS))
+
+    def scatter(env: Env) -> Env:
+        return dict(zip(accs, program(env[grads_buf], [env[a] for a in accs])))
+
+    return Piece(access, scatter)
+
+
+def reduce_piece(rt: Runtime, g: Group, ins: Instruction) -> Piece:
+    """An ALL_REDUCE inside one group: per-replica partial sums -> replicated totals, or
+    (gnorm) the group's squared gradient norm."""
+    access = bf.access(ins, g, rt.ctx)
+    mesh = rt.meshes[g]
+    if ins.value == GNORM:
+        grads = grad_reader(rt, g, bf.norm_params(rt.ctx, g))
+
+        def norm(env: Env) -> Env:
+            parts = [x for x, _ in grads(env)]
+            total = sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in parts), 0.0)
+            return {access.writes[0]: jax.lax.with_sharding_constraint(total, replicated(mesh))}
+
+        return Piece(access, norm)
+
+    def all_reduce(env: Env) -> Env:
+        return {access.writes[0]: collectives.sum_replicas([env[b] for b in access.reads], mesh)}
+
+    return Piece(access, all_reduce)
+
+
+def update_piece(rt: Runtime, g: Group, ins: Instruction) -> Piece:
+    region = int(ins.value)
+    access = bf.access(ins, g, rt.ctx)
+    program = rt.update_program(region, g)
+    names = program.names
+    grads = grad_reader(rt, g, rt.ctx.param_sets[f"UPD{region}"])
+    state = bf.opt(region)
+    level = rt.ctx.zero_level[g]
+    accs = [bf.acc(n) for n in names]
+    written = [b for b in access.writes if b not in (state, *accs)]
+
+    def update(env: Env) -> Env:
+        extra = (env[bf.value(GNORM)],) if rt.ctx.global_norm else ()
+        whole = [g_ for g_, _ in grads(env)]
+        new_params, new_state = program.update(
+            [env[bf.param(n)] for n in names], whole, env[state], *extra
+        )
+        out: Env = {state: new_state}
+        out.update((a, jnp.zeros_like(env[a])) for a in accs)
+        if level == 2:
+            out[written[0]] = new_params
+        else:
+            out.update(zip(written, new_params))
+        return out
+
+    return Piece(access, update)
+
+
+def grad_reader(
+    rt: Runtime, g: Group, params: Sequence[int]
+) -> Callable[[Env], list[tuple[Any, Placement]]]:
+    """For an update or norm on group g: each parameter's gradient as the step holds it
+    (all-reduced value or the group's accumulator), with its layout. A plain group reads
+    totals (or, with one replica, its accumulator row); a ZeRO group its stacked shards."""
+    level, width = rt.ctx.zero_level[g], rt.meshes[g].size
+    sources = []
+    for p in params:
+        name = rt.ctx.lifted.param_names[p]
+        reduced = rt.ctx.reduced_by[g].get(p)
+        if reduced:
+            index = rt.ctx.param_sets[reduced].index(p)
+            layout = Placement.FLAT if level >= 2 else Placement.REPLICATED
+            sources.append((bf.value(reduced), index, layout))
+        else:
+            assert level >= 2 or width == 1, (name, g)
+            layout = Placement.FLAT if level >= 2 else Placement.PARTIAL
+            sources.append((bf.acc(name), None, layout))
+
+    def read(env: Env) -> list[tuple[Any, Placement]]:
+        out = []
+        for buf, index, layout in sources:
+            x = env[buf] if index is None else env[buf][index]
+            if layout is Placement.PARTIAL and level < 2:
+                x = x[0]  # one replica: its partial sum is the total
+            out.append((x, layout))
+        return out
+
+    return read
+
+
+PIECES: dict[str, Callable[[Runtime, Group, Instruction], Piece]] = {
+    RUN: run_piece,
+    UPD: update_piece,
+    ALL_REDUCE: reduce_piece,
+    REDUCE_SCATTER: scatter_piece,
+    ALL_GATHER: gather_piece,
+}
+
+
+# ---- exchanges: instructions that span groups or only move host references ----------
+
+
+def bind_send(rt: Runtime, g: Group, ins: Instruction) -> Exchange:
+    peer = tuple(ins.peer)
+    transfer = make_transfer(
+        rt.meshes[g],
+        rt.meshes[peer],
+        rt.buffer_avals(ins.value, g),
+        rt.buffer_avals(ins.value, peer),
+    )
+    store, mailbox, key, buf = rt.stores[g], rt.mailbox, (ins.value, peer), bf.value(ins.value)
+    sending = g in rt.local
+
+    def send() -> Any:
+        out, witness = transfer(store[buf] if sending else None)
+        if out is not None:
+            mailbox[key] = out
+        return witness
+
+    return send
+
+
+def bind_recv(rt: Runtime, g: Group, ins: Instruction) -> Exchange:
+    store, mailbox, key, buf = rt.stores[g], rt.mailbox, (ins.value, g), bf.value(ins.value)
+
+    def recv() -> None:
+        store[buf] = mailbox.pop(key)
+
+    return recv
+
+
+def bind_free(rt: Runtime, g: Group, ins: Instruction) -> Exchange:
+    store, buf = rt.stores[g], bf.value(ins.value)
+
+    def free() -> None:
+        store.pop(buf, None)
+
+    return free
+
+
+def bind_cross_reduce(rt: Runtime, members: Sequence[Group], ins: Instruction) -> Exchange:
+    """An ALL_REDUCE over several groups (a tied weight, the global norm): each local
+    member group turns its gradients into partial rows, one program on the union sums
+    them, and each takes the total back in its own layout."""
+    union = [d for g in members for d in rt.meshes[g].devices.flat]
+    program, in_sharding = collectives.union_sum_program(union)
+    local = [g for g in members if g in rt.local]
+    out_buf = bf.value(ins.value)
+    if ins.value == GNORM:
+        shapes: list[tuple[int, ...]] = [()]
+        ends = {g: _norm_side(rt, g) for g in local}
+    else:
+        params = rt.ctx.param_sets[ins.value]
+        shapes = [rt.param_shape(n) for n in rt.ctx.names(params)]
+        ends = {g: _reduce_side(rt, g, params, shapes) for g in local}
+    size = collectives.flat_length(shapes)
+
+    def reduce() -> Any:
+        rows = {}
+        for g in local:
+            rows.update(shards_by_device(ends[g][0](rt.stores[g])))
+        total = program(from_local_shards((len(union), size), in_sharding, rows))
+        for g in local:
+            full = from_local_shards((size,), replicated(rt.meshes[g]), shards_by_device(total))
+            rt.stores[g][out_buf] = ends[g][1](full)
+        return total
+
+    return reduce
+
+
+def _reduce_side(
+    rt: Runtime, g: Group, params: Sequence[int], shapes: list[tuple[int, ...]]
+) -> tuple[Callable, Callable]:
+    mesh, level = rt.meshes[g], rt.ctx.zero_level[g]
+    accs = [bf.acc(n) for n in rt.ctx.names(params)]
+    layout = Placement.FLAT if level >= 2 else Placement.PARTIAL
+    out_layout = Placement.FLAT if level >= 2 else Placement.REPLICATED
+    dtypes = [rt.param_dtype(n) for n in rt.ctx.names(params)]
+    before = jax.jit(lambda xs: collectives.contribution(xs, shapes, [layout] * len(xs), mesh))
+    after = jax.jit(
+        lambda total: collectives.result(total, shapes, dtypes, [out_layout] * len(shapes), mesh)
+    )
+    return (lambda store: before([store[a] for a in accs])), after
+
+
+def _norm_side(rt: Runtime, g: Group) -> tuple[Callable, Callable]:
+    mesh = rt.meshes[g]
+    grads = grad_reader(rt, g, bf.norm_params(rt.ctx, g))
+    reads = bf.access(Instruction(ALL_REDUCE, GNORM, (0,)), g, rt.ctx).reads
+
+    def partial(values: list) -> jax.Array:
+        env = dict(zip(reads, values))
+        parts = []
+        for x, layout in grads(env):
+            sq = jnp.square(x.astype(jnp.float32))
+            if layout is Placement.REPLICATED:
+                parts.append(jnp.full((mesh.size,), jnp.sum(sq) / mesh.size))
+            else:  # per-replica rows: partial sums (one replica) or ZeRO shards
+                rows = sq if layout is Placement.FLAT else sq[None]
+                parts.append(rows.reshape(mesh.size, -1).sum(1))
+        total = sum(parts, jnp.zeros((mesh.size,), jnp.float32))
+        return jax.lax.with_sharding_constraint(total.reshape(mesh.size, 1), stacked(mesh))
+
+    before = jax.jit(partial)
+    after = jax.jit(lambda total: jax.lax.with_sharding_constraint(total[0], replicated(mesh)))
+    return (lambda store: before([store[b] for b in reads])), after
+
+
+EXCHANGES: dict[str, Callable[[Runtime, Group, Instruction], Exchange]] = {
+    SEND: bind_send,
+    RECV: bind_recv,
+    FREE: bind_free,
+}

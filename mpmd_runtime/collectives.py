@@ -1,0 +1,100 @@
+"""Gradient collectives: within one device group (a function fused into the group's
+programs) and across several groups (programs on each group and on their union).
+
+Within a group, gradients are stacked per replica (partial(dp)) and summed into
+replicated totals, one collective per dtype for all of them (Note [one collective for
+many parameters] in zero.py).
+
+Across groups (a weight tied between stages, the global gradient norm), each group may
+hold its gradients in its own layout: replicated totals, per-replica partial sums or
+ZeRO shards, and of its own width. Every group first turns its contribution into
+per-device partial rows of one flat vector (`contribution`), one program on the union of
+the groups sums them, and each group takes its result back in its own layout (`result`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from piper_jax.ir.layout import Placement
+from piper_jax.mpmd_runtime import zero
+from piper_jax.mpmd_runtime.programs import AXIS, group_mesh, replicated, stacked
+
+Shape = tuple[int, ...]
+
+
+def sum_replicas(xs: Sequence[jax.Array], mesh: Mesh) -> list[jax.Array]:
+    """Per-replica partial sums (stacked over dp) -> replicated totals, one collective per
+    dtype over their concatenation."""
+    out: list[Any] = [None] * len(xs)
+    for idx in zero.dtype_groups(xs):
+        rows = [xs[i].reshape(xs[i].shape[0], -1) for i in idx]
+        total = jnp.concatenate(rows, axis=1).sum(0)
+        for i, part in zip(idx, zero.split_columns(total[None], [r.shape[1] for r in rows], 1)):
+            out[i] = jax.lax.with_sharding_constraint(
+                part.reshape(xs[i].shape[1:]), replicated(mesh)
+            )
+    return out
+
+
+def contribution(
+    xs: Sequence[jax.Array], shapes: Sequence[Shape], layouts: Sequence[Placement], mesh: Mesh
+) -> jax.Array:
+    """A group's gradients (of the given full shapes) -> (dp, N) float32 rows whose sum
+    over the rows is the group's total, flattened and concatenated (N: total elements)."""
+    width = mesh.size
+    rows = []
+    for x, shape, layout in zip(xs, shapes, layouts):
+        n = int(np.prod(shape))
+        if layout is Placement.REPLICATED:  # every device holds the total: count it once
+            flat = x.reshape(1, n).astype(jnp.float32) / width
+            rows.append(jnp.broadcast_to(flat, (width, n)))
+        elif layout is Placement.PARTIAL:
+            rows.append(x.reshape(width, n).astype(jnp.float32))
+        else:  # FLAT: replica i holds shard i of the total, at its place in the vector
+            placed = jnp.eye(width, dtype=jnp.float32)[:, :, None] * x.astype(jnp.float32)[None]
+            rows.append(placed.reshape(width, -1)[:, :n])
+    out = jnp.concatenate(rows, axis=1) if rows else jnp.zeros((width, 0), jnp.float32)
+    return jax.lax.with_sharding_constraint(out, stacked(mesh))
+
+
+def result(
+    total: jax.Array,
+    shapes: Sequence[Shape],
+    dtypes: Sequence[Any],
+    layouts: Sequence[Placement],
+    mesh: Mesh,
+) -> list[jax.Array]:
+    """The union's total flat vector -> the group's gradients: replicated totals, or its
+    ZeRO shards (FLAT)."""
+    out, offset = [], 0
+    for shape, dtype, layout in zip(shapes, dtypes, layouts):
+        n = int(np.prod(shape))
+        part = total[offset : offset + n].astype(dtype)
+        offset += n
+        if layout is Placement.FLAT:
+            out.append(
+                jax.lax.with_sharding_constraint(zero.to_shards(part, mesh.size), stacked(mesh))
+            )
+        else:
+            out.append(jax.lax.with_sharding_constraint(part.reshape(shape), replicated(mesh)))
+    return out
+
+
+def flat_length(shapes: Sequence[Shape]) -> int:
+    """N of `contribution` for gradients of these full shapes."""
+    return sum(int(np.prod(s)) for s in shapes)
+
+
+def union_sum_program(devices: Sequence[jax.Device]) -> tuple[Any, NamedSharding]:
+    """The sum over the rows of (U, N) rows stacked over the union's devices, replicated
+    on them; and the stacked input sharding."""
+    mesh = group_mesh(devices)
+    program = jax.jit(lambda rows: rows.sum(0), out_shardings=replicated(mesh))
+    return program, NamedSharding(mesh, P(AXIS))

@@ -1,0 +1,238 @@
+"""The first plan passes: the order in which each device group runs its DAG nodes.
+
+schedule_nodes        lockstep list scheduling of DAG nodes per device group; every
+                      edge, data or temporal, is honoured; when several nodes are ready
+                      the order is SEND > collective > compute > RECV, then DAG uid;
+                      an overlap unit (one order group) is picked whole
+attach_collectives    each ZeRO collective moves next to the pass it serves: a
+                      parameter gather just before it, a gradient reduce-scatter just
+                      after it, the gather of updated shards just after the update
+sink_receives         each RECV moves to just before its first reader
+unit_keys             which consecutive nodes form one step (one program): an overlap
+                      unit, and (when fusing) each ZeRO collective with its pass
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+from piper_jax.ir.dag import Node, NodeKind, TrainingDAG
+from piper_jax.ir.errors import PlanError
+from piper_jax.ir.layout import group_str
+
+Group = tuple[int, ...]
+_PRIORITY = {
+    NodeKind.SEND: 0,
+    NodeKind.ALL_REDUCE: 1,
+    NodeKind.REDUCE_SCATTER: 1,
+    NodeKind.ALL_GATHER: 1,
+    NodeKind.RECV: 3,
+}
+ZERO_COLLECTIVES = (NodeKind.REDUCE_SCATTER, NodeKind.ALL_GATHER)
+
+
+def compute_groups(dag: TrainingDAG) -> list[Group]:
+    return sorted({n.devices for n in dag.compute_nodes()})
+
+
+def member_groups(node: Node, groups: Iterable[Group]) -> list[Group]:
+    """The device groups whose plans hold `node`: a gradient ALL_REDUCE spans several."""
+    if node.kind is NodeKind.ALL_REDUCE:
+        return [g for g in groups if set(g) <= set(node.devices)]
+    return [node.devices]
+
+
+def attached(dag: TrainingDAG) -> dict[int, int]:
+    """ZeRO collectives -> the node each serves (its `carries`)."""
+    return {
+        u: n.carries
+        for u, n in dag.nodes.items()
+        if n.kind in ZERO_COLLECTIVES and n.carries is not None
+    }
+
+
+def schedule_nodes(dag: TrainingDAG, groups: list[Group]) -> dict[Group, list[int]]:
+    """Per-group node order by lockstep list scheduling (one node per group per round).
+    ZeRO collectives are not scheduled (see `attach_collectives`): a gather counts as
+    done from the start, the others when the node they serve is."""
+    serves = attached(dag)
+    after: dict[int, list[int]] = defaultdict(list)
+    for u, carried in serves.items():
+        if not _gathers_before(dag, u):
+            after[carried].append(u)
+    members = {u: [] if u in serves else member_groups(n, groups) for u, n in dag.nodes.items()}
+    preds, succs = dag.adjacency()
+    missing = {u: len(p) for u, p in preds.items()}
+    ready: dict[Group, set[int]] = {g: set() for g in groups}
+    done: set[int] = set()
+    scheduled: set[int] = set()
+    for u, count in missing.items():
+        if count == 0:
+            for g in members[u]:
+                ready[g].add(u)
+    arrived: dict[int, set[Group]] = defaultdict(set)
+    waiting: dict[Group, int | None] = {g: None for g in groups}
+    order: dict[Group, list[int]] = {g: [] for g in groups}
+    remaining = sum(len(members[u]) for u in dag.nodes)
+
+    def priority(u: int) -> tuple[int, int]:
+        return (_PRIORITY.get(dag.nodes[u].kind, 2), u)
+
+    units: dict[int, list[int]] = defaultdict(list)
+    for u, n in sorted(dag.nodes.items()):
+        if n.overlap is not None:
+            units[n.overlap].append(u)
+
+    def unit_of(u: int) -> list[int]:
+        overlap = dag.nodes[u].overlap
+        return [u] if overlap is None else units[overlap]
+
+    def unit_ready(unit: list[int]) -> bool:
+        inside = set(unit)
+        return all(p in done or p in inside for v in unit for p in preds[v])
+
+    def finish(u: int) -> None:
+        done.add(u)
+        for v in succs[u]:
+            missing[v] -= 1
+            if missing[v] == 0 and v not in scheduled:
+                for g in members[v]:
+                    ready[g].add(v)
+        for v in after[u]:
+            finish(v)
+
+    for u in serves:
+        if _gathers_before(dag, u):
+            finish(u)
+
+    while remaining:
+        finished, picked = [], False
+        for g in groups:
+            # transfers take no time here: a group goes on picking after a SEND or RECV
+            while waiting[g] is None and ready[g]:
+                candidates = [v for v in ready[g] if unit_ready(unit_of(v))]
+                if not candidates:
+                    break
+                u = min(candidates, key=priority)
+                picked = True
+                if len(unit_of(u)) > 1:  # an overlap unit: all of it, in data order
+                    for v in _data_order(unit_of(u), preds):
+                        scheduled.add(v)
+                        ready[g].discard(v)
+                        order[g].append(v)
+                        remaining -= 1
+                        finished.append(v)
+                    break
+                ready[g].discard(u)
+                order[g].append(u)
+                remaining -= 1
+                arrived[u].add(g)
+                if len(arrived[u]) < len(members[u]):
+                    waiting[g] = u
+                    break
+                for m in members[u]:
+                    waiting[m] = None
+                if dag.nodes[u].kind not in (NodeKind.SEND, NodeKind.RECV):
+                    finished.append(u)
+                    break
+                finish(u)
+        if not finished and not picked and remaining:
+            stuck = {g: len(order[g]) for g in groups}
+            raise PlanError(
+                "the DAG cannot be scheduled: no device group can make "
+                f"progress.\n{_stuck_report(dag, order, stuck)}"
+            )
+        for u in finished:
+            finish(u)
+    return order
+
+
+def _data_order(unit: list[int], preds: dict[int, list[int]]) -> list[int]:
+    """The members of an overlap unit with every member after those it reads from."""
+    inside, out, placed = set(unit), [], set()
+    while len(out) < len(unit):
+        for u in unit:
+            if u not in placed and all(p in placed or p not in inside for p in preds[u]):
+                out.append(u)
+                placed.add(u)
+    return out
+
+
+def _stuck_report(dag: TrainingDAG, order: dict[Group, list[int]], at: dict[Group, int]) -> str:
+    lines = []
+    for g, uids in order.items():
+        done = ", ".join(str(dag.nodes[u]) for u in uids[-4:])
+        lines.append(f"  {group_str(g)}: ... {done} | stuck after {at[g]} nodes")
+    return "\n".join(lines)
+
+
+def _gathers_before(dag: TrainingDAG, u: int) -> bool:
+    """A gather of a pass's parameters (it runs before the pass; the rest run after)."""
+    node = dag.nodes[u]
+    return node.kind is NodeKind.ALL_GATHER and dag.nodes[node.carries].kind is NodeKind.COMPUTE
+
+
+def attach_collectives(dag: TrainingDAG, uids: list[int], group: Group) -> list[int]:
+    """`uids` (a group's scheduled nodes) with each ZeRO collective of the group put next
+    to the node it serves, or around the overlap unit holding that node: gathers before,
+    reduce-scatters and gathers of updated shards after."""
+    before: dict[object, list[int]] = defaultdict(list)
+    after: dict[object, list[int]] = defaultdict(list)
+
+    def unit(u: int) -> object:
+        overlap = dag.nodes[u].overlap
+        return ("node", u) if overlap is None else ("overlap", overlap)
+
+    for u, carried in sorted(attached(dag).items()):
+        if dag.nodes[u].devices == group:
+            (before if _gathers_before(dag, u) else after)[unit(carried)].append(u)
+    out: list[int] = []
+    for i, u in enumerate(uids):
+        key = unit(u)
+        if i == 0 or unit(uids[i - 1]) != key:
+            out += before.pop(key, [])
+        out.append(u)
+        if i + 1 == len(uids) or unit(uids[i + 1]) != key:
+            out += after.pop(key, [])
+    return out
+
+
+def sink_receives(dag: TrainingDAG, uids: list[int], units: dict[int, object]) -> list[int]:
+    """Move every RECV to just before the first step that reads it.
+
+    A RECV only waits for its SEND, and a SEND never waits for its receiver, so a later
+    RECV cannot deadlock; placed late, it never holds up independent work before it (it
+    acts like a posted receive). `units` keeps a fused step contiguous.
+    """
+    recvs = {u for u in uids if dag.nodes[u].kind is NodeKind.RECV}
+    readers = {u: set(dag.succs(u)) for u in recvs}
+    out: list[int] = []
+    pending: list[int] = []
+    for i, u in enumerate(uids):
+        if u in recvs:
+            pending.append(u)
+            continue
+        unit = {u}
+        j = i + 1
+        while j < len(uids) and units[uids[j]] == units[u] and uids[j] not in recvs:
+            unit.add(uids[j])
+            j += 1
+        for r in [r for r in pending if readers[r] & unit]:
+            pending.remove(r)
+            out.append(r)
+        out.append(u)
+    return out + pending
+
+
+def unit_keys(dag: TrainingDAG, fuse_collectives: bool) -> dict[int, object]:
+    """Consecutive nodes of a group with one key run as one step: an overlap unit's
+    members, and with `fuse_collectives` each ZeRO collective with the node it serves."""
+    keys: dict[int, object] = {}
+    for u, n in dag.nodes.items():
+        keys[u] = ("overlap", n.overlap) if n.overlap is not None else ("node", u)
+    if fuse_collectives:
+        for u, n in dag.nodes.items():
+            if n.kind in ZERO_COLLECTIVES and n.carries is not None:
+                keys[u] = keys[n.carries]
+    return keys

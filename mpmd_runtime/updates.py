@@ -1,0 +1,109 @@
+"""The optimizer update of one parameter group (a UPD instruction) on its device group.
+
+The optimizer sees the parameters as the model's own tree, cut to the group's leaves
+(paths unchanged), so transforms that select parameters by path (`optax.masked`,
+`multi_transform`, adamw's mask) treat every leaf as single-device training would.
+Under ZeRO each replica updates its flat shards of those leaves (Note [ZeRO in
+piper-jax]). With the non-finite guard, an update whose global gradient norm is not
+finite leaves parameters and optimizer state as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from piper_jax.mpmd_runtime import zero
+from piper_jax.mpmd_runtime.global_norm import CARRIER, carrier_gradient
+from piper_jax.mpmd_runtime.programs import AXIS, spmd, stack, unstack
+
+# (parameter names, with carrier?) -> (treedef of the model's tree cut to those leaves
+# (plus the carrier), the names in the tree's leaf order)
+ParamTree = Callable[[Sequence[str], bool], tuple[Any, list[str]]]
+
+
+class UpdateProgram:
+    """init and update of one parameter group: plain (replicated) or ZeRO (shards).
+
+      init(params)                             -> optimizer state
+      update(params, grads, state[, total_sq]) -> (params, state)
+
+    `params` and `grads` are lists in `names` order. Plain: parameters and gradients
+    whole and replicated. ZeRO level 2: parameters whole, gradients the replica's shards
+    stacked over dp, and the update returns the updated shards; level 3: parameters are
+    shards too.
+    """
+
+    def __init__(
+        self,
+        optimizer: optax.GradientTransformation,
+        names: Sequence[str],
+        mesh: Mesh,
+        zero_level: int,
+        param_tree: ParamTree,
+        carrier: bool,
+        guard: bool,
+    ):
+        self.optimizer, self.names, self.mesh = optimizer, list(names), mesh
+        self.zero_level, self.carrier, self.guard = zero_level, carrier, guard
+        self.treedef, self.tree_names = param_tree(self.names, carrier)
+        if zero_level:
+            params_spec = P(AXIS) if zero_level >= 3 else P()
+            self.init = jax.jit(spmd(self._init_shards, mesh, (params_spec,), P(AXIS)))
+            extra = (P(),) if carrier or guard else ()
+            self.update = spmd(
+                self._update_shards,
+                mesh,
+                (params_spec, P(AXIS), P(AXIS)) + extra,
+                (P(AXIS), P(AXIS)),
+            )
+        else:
+            self.init = jax.jit(self._init_whole)
+            self.update = self._update_whole
+
+    def _tree(self, values: Sequence[jax.Array], carrier: jax.Array) -> Any:
+        by_name = dict(zip(self.names, values))
+        by_name[CARRIER] = carrier
+        return jax.tree_util.tree_unflatten(self.treedef, [by_name[n] for n in self.tree_names])
+
+    def _leaves(self, tree: Any) -> list[jax.Array]:
+        by_name = dict(zip(self.tree_names, jax.tree_util.tree_leaves(tree)))
+        return [by_name[n] for n in self.names]
+
+    def _init_whole(self, params: list) -> Any:
+        return self.optimizer.init(self._tree(params, jnp.zeros((), jnp.float32)))
+
+    def _init_shards(self, params: list) -> Any:
+        return stack(self._init_whole(self._own(params)))
+
+    def _own(self, params: list) -> list:
+        """This replica's shards of the parameters (inside shard_map)."""
+        if self.zero_level >= 3:
+            return [p[0] for p in params]
+        return [zero.own_shard(p, self.mesh.size)[0] for p in params]
+
+    def _step(self, params: list, grads: list, state: Any, total_sq: Any) -> tuple:
+        zero_ = jnp.zeros((), jnp.float32)
+        grads = [g.astype(p.dtype) for p, g in zip(params, grads)]
+        carrier = carrier_gradient(total_sq, grads) if self.carrier else zero_
+        p_tree = self._tree(params, zero_)
+        updates, new_state = self.optimizer.update(self._tree(grads, carrier), state, p_tree)
+        new_params = self._leaves(optax.apply_updates(p_tree, updates))
+        if self.guard:
+            finite = jnp.isfinite(total_sq)
+            new_params = [jnp.where(finite, n, p) for n, p in zip(new_params, params)]
+            new_state = jax.tree.map(lambda n, s: jnp.where(finite, n, s), new_state, state)
+        return new_params, new_state
+
+    def _update_whole(self, params: list, grads: list, state: Any, total_sq: Any = None) -> tuple:
+        return self._step(params, grads, state, total_sq)
+
+    def _update_shards(self, params: list, grads: list, state: Any, total_sq: Any = None) -> tuple:
+        shards = self._own(params)
+        new, new_state = self._step(shards, [g[0] for g in grads], unstack(state), total_sq)
+        return [s[None] for s in new], stack(new_state)
