@@ -79,10 +79,12 @@ def one_f_one_b(
 def interleaved_1f1b_actions(
     num_stages: int, num_microbatches: int, num_devices: int, device: int
 ) -> list[Action]:
-    """Megatron's interleaved 1F1B on `device`, which holds stages device, device + D, ...
+    """Interleaved 1F1B on `device`, which holds the v stages device, device + D, ...
 
-    Forwards walk the device's chunks in rounds of D microbatches, backwards walk them
-    in reverse; warm-up is 2(D - r - 1) + (v - 1) D forwards on rank r.
+    Forwards walk the device's stages in rounds of D microbatches, backwards walk them
+    in reverse. Warm-up is min(2(D - r - 1) + (v - 1) D, m v) forwards on rank r, also
+    when m = D, as PyTorch, JaxPP and the reference Piper do (Megatron runs every forward
+    first there: the same step time, but more activations held on the later ranks).
     """
     d, m, r = num_devices, num_microbatches, device
     v = num_stages // d
@@ -94,7 +96,7 @@ def interleaved_1f1b_actions(
     def backward(k: int) -> tuple[int, int]:
         return (v - 1 - (k % (d * v)) // d) * d + r, (k // (d * v)) * d + k % d
 
-    warmup = total if m == d else min(2 * (d - r - 1) + (v - 1) * d, total)
+    warmup = min(2 * (d - r - 1) + (v - 1) * d, total)
     actions: list[Action] = [("F", *forward(k)) for k in range(warmup)]
     for i in range(total - warmup):
         actions += [("F", *forward(warmup + i)), ("B", *backward(i))]
@@ -149,27 +151,38 @@ def zero_bubble_h1(
 
 
 def dualpipev_groups(num_ranks: int, num_microbatches: int, rank: int) -> list[list[Action]]:
-    """DualPipeV's eight phases on `rank` (stages rank and 2N-1-rank), as order groups.
+    """DualPipeV's eight phases on `rank`, as order groups, pass for pass as DeepSeek's
+    DualPipeV runs them.
 
-    A group of two passes is a forward of one chunk overlapped with a backward of the
-    other. A zero-bubble backward runs BI and defers its BW to a FIFO that W steps drain.
+    The rank holds two stages, one on each leg of the V: leg 0 is stage `rank`, leg 1 is
+    stage 2N-1-rank. A group of several passes is an overlap group: a forward of one leg
+    beside a backward of the other. A backward that is not zero-bubble is written as
+    BI and BW in one group (one whole backward); a zero-bubble one runs BI and defers
+    its BW to a FIFO that the W steps drain, oldest first.
+
+    Note [DualPipeV's last rank]
+    In the main phase (4) the last rank does not overlap its first F/B pair: the
+    forward of stage N-1 runs alone, then the backward of stage N. DeepSeek keeps them
+    apart to shrink the bubble: an overlap group starts only once all its passes have
+    their inputs, and that backward waits for a cotangent from stage N+1 on rank N-2,
+    while the forward's input comes sooner; alone, the forward fills the wait.
     """
     n, m, r = num_ranks, num_microbatches, rank
     stage = (r, 2 * n - 1 - r)
     next_f, next_b = [0, 0], [0, 0]
     deferred: list[Action] = []
 
-    def f(chunk: int) -> list[Action]:
-        next_f[chunk] += 1
-        return [("F", stage[chunk], next_f[chunk] - 1)]
+    def f(leg: int) -> list[Action]:
+        next_f[leg] += 1
+        return [("F", stage[leg], next_f[leg] - 1)]
 
-    def b(chunk: int, zero_bubble: bool = False) -> list[Action]:
-        next_b[chunk] += 1
-        i = next_b[chunk] - 1
+    def b(leg: int, zero_bubble: bool = False) -> list[Action]:
+        next_b[leg] += 1
+        i = next_b[leg] - 1
         if zero_bubble:
-            deferred.append(("BW", stage[chunk], i))
-            return [("BI", stage[chunk], i)]
-        return [("BI", stage[chunk], i), ("BW", stage[chunk], i)]
+            deferred.append(("BW", stage[leg], i))
+            return [("BI", stage[leg], i)]
+        return [("BI", stage[leg], i), ("BW", stage[leg], i)]
 
     def w() -> list[Action]:
         return [deferred.pop(0)]
@@ -179,12 +192,13 @@ def dualpipev_groups(num_ranks: int, num_microbatches: int, rank: int) -> list[l
         groups += [f(0), f(1)]
     for _ in range(n - r - 1):  # (3)
         groups += [b(1, zero_bubble=True), w(), f(1)]
-    for _ in range(m - 2 * n + r + 1):  # (4)
-        groups += [f(0) + b(1), f(1) + b(0)]
+    for i in range(m - 2 * n + r + 1):  # (4), see Note [DualPipeV's last rank]
+        groups += [f(0), b(1)] if i == 0 and r == n - 1 else [f(0) + b(1)]
+        groups += [f(1) + b(0)]
     for _ in range(n - r - 1):  # (5)
         groups += [b(1), f(1) + b(0)]
-    chunks = [c for _ in range(r + 1) for c in (1, 0)]  # (6): the second half zero-bubble
-    groups += [b(c, zero_bubble=j >= len(chunks) - (r + 1)) for j, c in enumerate(chunks)]
+    legs = [leg for _ in range(r + 1) for leg in (1, 0)]  # (6): the second half zero-bubble
+    groups += [b(leg, zero_bubble=j >= len(legs) - (r + 1)) for j, leg in enumerate(legs)]
     for _ in range(n - r - 1):  # (7)
         groups += [w(), b(0, zero_bubble=True)]
     groups += [w() for _ in range(r + 1)]  # (8)
