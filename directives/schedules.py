@@ -1,19 +1,23 @@
 """Pipeline schedule builders: one order directive per device (stage s on device s).
 
 Each returns the per-device order of F and B passes; the placement it assumes is
-written by the user with `place`.
+written by the user with `place`. The orders are recorded as a builder's (see
+directives/coverage.py), so a schedule built for fewer stages or microbatches than the
+DAG has is refused instead of leaving passes unordered.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from piper_jax.directives.coverage import mark_built
 from piper_jax.directives.types import Order
 from piper_jax.ir.errors import DirectiveError
 
 
-def _check(num_stages: int, num_microbatches: int, name: str) -> None:
-    for arg, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+def _check(name: str, **counts: int) -> None:
+    """Each named count (num_stages=..., num_microbatches=...) is an int >= 1."""
+    for arg, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise DirectiveError(f"{name}: {arg} must be an int >= 1, got {value!r}")
 
@@ -30,7 +34,13 @@ def _grouped_order(groups: list[list[Action]], tag: str, dim_name: str) -> Order
     return Order(tuple(tuple({tag: s, dim_name: mb, "PASS": p} for p, s, mb in g) for g in groups))
 
 
+def _built(orders: list[Order], name: str, args: tuple, tag: str, dim_name: str) -> list[Order]:
+    """The builder `name`'s orders, recorded with its call as written (`gpipe(2, 4)`)."""
+    return mark_built(orders, f"{name}({', '.join(map(str, args))})", tag, dim_name)
+
+
 def _per_stage(
+    name: str,
     actions: Callable[[int, int, int], list[Action]],
     num_stages: int,
     num_microbatches: int,
@@ -38,21 +48,23 @@ def _per_stage(
     dim_name: str,
 ) -> list[Order]:
     """One order per stage s (on device s): actions(num_stages, num_microbatches, s)."""
-    return [
+    orders = [
         _order(actions(num_stages, num_microbatches, s), tag, dim_name) for s in range(num_stages)
     ]
+    return _built(orders, name, (num_stages, num_microbatches), tag, dim_name)
 
 
 def gpipe(
     num_stages: int, num_microbatches: int, tag: str = "PP", dim_name: str = "MB"
 ) -> list[Order]:
     """All forwards, then all backwards: peak activations m per stage."""
-    _check(num_stages, num_microbatches, "gpipe")
+    _check("gpipe", num_stages=num_stages, num_microbatches=num_microbatches)
     m = num_microbatches
-    return [
+    orders = [
         _order([("F", s, i) for i in range(m)] + [("B", s, i) for i in range(m)], tag, dim_name)
         for s in range(num_stages)
     ]
+    return _built(orders, "gpipe", (num_stages, num_microbatches), tag, dim_name)
 
 
 def one_f_one_b_actions(
@@ -72,8 +84,10 @@ def one_f_one_b(
     num_stages: int, num_microbatches: int, tag: str = "PP", dim_name: str = "MB"
 ) -> list[Order]:
     """1F1B: at most p microbatches in flight on stage 0."""
-    _check(num_stages, num_microbatches, "one_f_one_b")
-    return _per_stage(one_f_one_b_actions, num_stages, num_microbatches, tag, dim_name)
+    _check("one_f_one_b", num_stages=num_stages, num_microbatches=num_microbatches)
+    return _per_stage(
+        "one_f_one_b", one_f_one_b_actions, num_stages, num_microbatches, tag, dim_name
+    )
 
 
 def interleaved_1f1b_actions(
@@ -112,18 +126,25 @@ def interleaved_1f1b(
     dim_name: str = "MB",
 ) -> list[Order]:
     """Interleaved 1F1B: stage s on device s % num_devices; bubble (p-1)(F+B)/v."""
-    _check(num_stages, num_microbatches, "interleaved_1f1b")
+    _check(
+        "interleaved_1f1b",
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        num_devices=num_devices,
+    )
     if num_stages % num_devices or num_microbatches % num_devices:
         raise DirectiveError(
             f"interleaved_1f1b: num_stages ({num_stages}) and num_microbatches "
             f"({num_microbatches}) must both be multiples of num_devices ({num_devices})"
         )
-    return [
+    orders = [
         _order(
             interleaved_1f1b_actions(num_stages, num_microbatches, num_devices, r), tag, dim_name
         )
         for r in range(num_devices)
     ]
+    args = (num_stages, num_microbatches, num_devices)
+    return _built(orders, "interleaved_1f1b", args, tag, dim_name)
 
 
 def zero_bubble_h1_actions(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
@@ -146,8 +167,10 @@ def zero_bubble_h1(
     num_stages: int, num_microbatches: int, tag: str = "PP", dim_name: str = "MB"
 ) -> list[Order]:
     """ZB-H1 (stage s on device s): bubble (p-1)(F+B-2W), 1F1B's memory."""
-    _check(num_stages, num_microbatches, "zero_bubble_h1")
-    return _per_stage(zero_bubble_h1_actions, num_stages, num_microbatches, tag, dim_name)
+    _check("zero_bubble_h1", num_stages=num_stages, num_microbatches=num_microbatches)
+    return _per_stage(
+        "zero_bubble_h1", zero_bubble_h1_actions, num_stages, num_microbatches, tag, dim_name
+    )
 
 
 def dualpipev_groups(num_ranks: int, num_microbatches: int, rank: int) -> list[list[Action]]:
@@ -209,13 +232,14 @@ def dualpipev(
     num_ranks: int, num_microbatches: int, tag: str = "PP", dim_name: str = "MB"
 ) -> list[Order]:
     """DualPipeV: 2N stages on N ranks, rank r holds stages r and 2N-1-r; needs m >= 2N."""
-    _check(num_ranks, num_microbatches, "dualpipev")
+    _check("dualpipev", num_ranks=num_ranks, num_microbatches=num_microbatches)
     if num_microbatches < 2 * num_ranks:
         raise DirectiveError(
             f"dualpipev: num_microbatches ({num_microbatches}) must be at least "
             f"2 x num_ranks ({2 * num_ranks})"
         )
-    return [
+    orders = [
         _grouped_order(dualpipev_groups(num_ranks, num_microbatches, r), tag, dim_name)
         for r in range(num_ranks)
     ]
+    return _built(orders, "dualpipev", (num_ranks, num_microbatches), tag, dim_name)

@@ -159,3 +159,16 @@ def test_dualpipev_step_time_matches_deepseek() -> None:
     assert sim.step_time == pytest.approx(31.5)
     f12 = next(e for e in sim.timeline if e.group == (1,) and e.label == "F1.2")
     assert (f12.start, f12.end) == pytest.approx((5.25, 6.25))
+
+
+@pytest.mark.parametrize(
+    "build,match",
+    [
+        (lambda: schedules.interleaved_1f1b(4, 4, 0), r"interleaved_1f1b: num_devices .* got 0"),
+        (lambda: schedules.dualpipev(0, 4), r"dualpipev: num_ranks must be an int >= 1, got 0"),
+        (lambda: schedules.gpipe(2, True), r"gpipe: num_microbatches .* got True"),
+    ],
+)
+def test_builder_counts_are_checked_by_name(build, match: str) -> None:
+    with pytest.raises(piper.DirectiveError, match=match):
+        build()
