@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from piper_jax.directives.backward_split import backwards_to_split, split_backward_nodes
+from piper_jax.directives.coverage import check_schedule_coverage
 from piper_jax.directives.gradients import insert_updates
 from piper_jax.directives.order import apply_order
 from piper_jax.directives.place import apply_place, check_placement
@@ -87,5 +88,6 @@ def apply_directives(
     for i, d in enumerate(directives):
         if isinstance(d, Order):
             dag = apply_order(dag, d, i)
+    check_schedule_coverage(dag, directives)
     dag.check_acyclic("the directives")
     return dag

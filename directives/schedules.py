@@ -1,19 +1,23 @@
 """Pipeline schedule builders: one order directive per device (stage s on device s).
 
 Each returns the per-device order of F and B passes; the placement it assumes is
-written by the user with `place`.
+written by the user with `place`. The orders are recorded as a builder's (see
+directives/coverage.py), so a schedule built for fewer stages or microbatches than the
+DAG has is refused instead of leaving passes unordered.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from piper_jax.directives.coverage import mark_built
 from piper_jax.directives.types import Order
 from piper_jax.ir.errors import DirectiveError
 
 
-def _check(num_stages: int, num_microbatches: int, name: str) -> None:
-    for arg, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+def _check(name: str, **counts: int) -> None:
+    """Each named count (num_stages=..., num_microbatches=...) is an int >= 1."""
+    for arg, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise DirectiveError(f"{name}: {arg} must be an int >= 1, got {value!r}")
 
@@ -30,7 +34,13 @@ def _grouped_order(groups: list[list[Action]], tag: str, dim_name: str) -> Order
     return Order(tuple(tuple({tag: s, dim_name: mb, "PASS": p} for p, s, mb in g) for g in groups))
 
 
+def _built(orders: list[Order], name: str, args: tuple, tag: str, dim_name: str) -> list[Order]:
+    """The builder `name`'s orders, recorded with its call as written (`gpipe(2, 4)`)."""
+    return mark_built(orders, f"{name}({', '.join(map(str, args))})", tag, dim_name)
+
+
 def _per_stage(
+    name: str,
     actions: Callable[[int, int, int], list[Action]],
     num_stages: int,
     num_microbatches: int,
@@ -38,21 +48,23 @@ def _per_stage(
     dim_name: str,
 ) -> list[Order]:
     """One order per stage s (on device s): actions(num_stages, num_microbatches, s)."""
-    return [
+    orders = [
         _order(actions(num_stages, num_microbatches, s), tag, dim_name) for s in range(num_stages)
     ]
+    return _built(orders, name, (num_stages, num_microbatches), tag, dim_name)
 
 
 def gpipe(
     num_stages: int, num_microbatches: int, tag: str = "PP", dim_name: str = "MB"
 ) -> list[Order]:
     """All forwards, then all backwards: peak activations m per stage."""
-    _check(num_stages, num_microbatches, "gpipe")
+    _check("gpipe", num_stages=num_stages, num_microbatches=num_microbatches)
     m = num_microbatches
-    return [
+    orders = [
         _order([("F", s, i) for i in range(m)] + [("B", s, i) for i in range(m)], tag, dim_name)
         for s in range(num_stages)
     ]
+    return _built(orders, "gpipe", (num_stages, num_microbatches), tag, dim_name)
 
 
 def one_f_one_b_actions(
@@ -72,17 +84,21 @@ def one_f_one_b(
     num_stages: int, num_microbatches: int, tag: str = "PP", dim_name: str = "MB"
 ) -> list[Order]:
     """1F1B: at most p microbatches in flight on stage 0."""
-    _check(num_stages, num_microbatches, "one_f_one_b")
-    return _per_stage(one_f_one_b_actions, num_stages, num_microbatches, tag, dim_name)
+    _check("one_f_one_b", num_stages=num_stages, num_microbatches=num_microbatches)
+    return _per_stage(
+        "one_f_one_b", one_f_one_b_actions, num_stages, num_microbatches, tag, dim_name
+    )
 
 
 def interleaved_1f1b_actions(
     num_stages: int, num_microbatches: int, num_devices: int, device: int
 ) -> list[Action]:
-    """Megatron's interleaved 1F1B on `device`, which holds stages device, device + D, ...
+    """Interleaved 1F1B on `device`, which holds the v stages device, device + D, ...
 
-    Forwards walk the device's chunks in rounds of D microbatches, backwards walk them
-    in reverse; warm-up is 2(D - r - 1) + (v - 1) D forwards on rank r.
+    Forwards walk the device's stages in rounds of D microbatches, backwards walk them
+    in reverse. Warm-up is min(2(D - r - 1) + (v - 1) D, m v) forwards on rank r, also
+    when m = D, as PyTorch, JaxPP and the reference Piper do (Megatron runs every forward
+    first there: the same step time, but more activations held on the later ranks).
     """
     d, m, r = num_devices, num_microbatches, device
     v = num_stages // d
@@ -94,7 +110,7 @@ def interleaved_1f1b_actions(
     def backward(k: int) -> tuple[int, int]:
         return (v - 1 - (k % (d * v)) // d) * d + r, (k // (d * v)) * d + k % d
 
-    warmup = total if m == d else min(2 * (d - r - 1) + (v - 1) * d, total)
+    warmup = min(2 * (d - r - 1) + (v - 1) * d, total)
     actions: list[Action] = [("F", *forward(k)) for k in range(warmup)]
     for i in range(total - warmup):
         actions += [("F", *forward(warmup + i)), ("B", *backward(i))]
@@ -110,18 +126,25 @@ def interleaved_1f1b(
     dim_name: str = "MB",
 ) -> list[Order]:
     """Interleaved 1F1B: stage s on device s % num_devices; bubble (p-1)(F+B)/v."""
-    _check(num_stages, num_microbatches, "interleaved_1f1b")
+    _check(
+        "interleaved_1f1b",
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        num_devices=num_devices,
+    )
     if num_stages % num_devices or num_microbatches % num_devices:
         raise DirectiveError(
             f"interleaved_1f1b: num_stages ({num_stages}) and num_microbatches "
             f"({num_microbatches}) must both be multiples of num_devices ({num_devices})"
         )
-    return [
+    orders = [
         _order(
             interleaved_1f1b_actions(num_stages, num_microbatches, num_devices, r), tag, dim_name
         )
         for r in range(num_devices)
     ]
+    args = (num_stages, num_microbatches, num_devices)
+    return _built(orders, "interleaved_1f1b", args, tag, dim_name)
 
 
 def zero_bubble_h1_actions(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
@@ -144,32 +167,45 @@ def zero_bubble_h1(
     num_stages: int, num_microbatches: int, tag: str = "PP", dim_name: str = "MB"
 ) -> list[Order]:
     """ZB-H1 (stage s on device s): bubble (p-1)(F+B-2W), 1F1B's memory."""
-    _check(num_stages, num_microbatches, "zero_bubble_h1")
-    return _per_stage(zero_bubble_h1_actions, num_stages, num_microbatches, tag, dim_name)
+    _check("zero_bubble_h1", num_stages=num_stages, num_microbatches=num_microbatches)
+    return _per_stage(
+        "zero_bubble_h1", zero_bubble_h1_actions, num_stages, num_microbatches, tag, dim_name
+    )
 
 
 def dualpipev_groups(num_ranks: int, num_microbatches: int, rank: int) -> list[list[Action]]:
-    """DualPipeV's eight phases on `rank` (stages rank and 2N-1-rank), as order groups.
+    """DualPipeV's eight phases on `rank`, as order groups, pass for pass as DeepSeek's
+    DualPipeV runs them.
 
-    A group of two passes is a forward of one chunk overlapped with a backward of the
-    other. A zero-bubble backward runs BI and defers its BW to a FIFO that W steps drain.
+    The rank holds two stages, one on each leg of the V: leg 0 is stage `rank`, leg 1 is
+    stage 2N-1-rank. A group of several passes is an overlap group: a forward of one leg
+    beside a backward of the other. A backward that is not zero-bubble is written as
+    BI and BW in one group (one whole backward); a zero-bubble one runs BI and defers
+    its BW to a FIFO that the W steps drain, oldest first.
+
+    Note [DualPipeV's last rank]
+    In the main phase (4) the last rank does not overlap its first F/B pair: the
+    forward of stage N-1 runs alone, then the backward of stage N. DeepSeek keeps them
+    apart to shrink the bubble: an overlap group starts only once all its passes have
+    their inputs, and that backward waits for a cotangent from stage N+1 on rank N-2,
+    while the forward's input comes sooner; alone, the forward fills the wait.
     """
     n, m, r = num_ranks, num_microbatches, rank
     stage = (r, 2 * n - 1 - r)
     next_f, next_b = [0, 0], [0, 0]
     deferred: list[Action] = []
 
-    def f(chunk: int) -> list[Action]:
-        next_f[chunk] += 1
-        return [("F", stage[chunk], next_f[chunk] - 1)]
+    def f(leg: int) -> list[Action]:
+        next_f[leg] += 1
+        return [("F", stage[leg], next_f[leg] - 1)]
 
-    def b(chunk: int, zero_bubble: bool = False) -> list[Action]:
-        next_b[chunk] += 1
-        i = next_b[chunk] - 1
+    def b(leg: int, zero_bubble: bool = False) -> list[Action]:
+        next_b[leg] += 1
+        i = next_b[leg] - 1
         if zero_bubble:
-            deferred.append(("BW", stage[chunk], i))
-            return [("BI", stage[chunk], i)]
-        return [("BI", stage[chunk], i), ("BW", stage[chunk], i)]
+            deferred.append(("BW", stage[leg], i))
+            return [("BI", stage[leg], i)]
+        return [("BI", stage[leg], i), ("BW", stage[leg], i)]
 
     def w() -> list[Action]:
         return [deferred.pop(0)]
@@ -179,12 +215,13 @@ def dualpipev_groups(num_ranks: int, num_microbatches: int, rank: int) -> list[l
         groups += [f(0), f(1)]
     for _ in range(n - r - 1):  # (3)
         groups += [b(1, zero_bubble=True), w(), f(1)]
-    for _ in range(m - 2 * n + r + 1):  # (4)
-        groups += [f(0) + b(1), f(1) + b(0)]
+    for i in range(m - 2 * n + r + 1):  # (4), see Note [DualPipeV's last rank]
+        groups += [f(0), b(1)] if i == 0 and r == n - 1 else [f(0) + b(1)]
+        groups += [f(1) + b(0)]
     for _ in range(n - r - 1):  # (5)
         groups += [b(1), f(1) + b(0)]
-    chunks = [c for _ in range(r + 1) for c in (1, 0)]  # (6): the second half zero-bubble
-    groups += [b(c, zero_bubble=j >= len(chunks) - (r + 1)) for j, c in enumerate(chunks)]
+    legs = [leg for _ in range(r + 1) for leg in (1, 0)]  # (6): the second half zero-bubble
+    groups += [b(leg, zero_bubble=j >= len(legs) - (r + 1)) for j, leg in enumerate(legs)]
     for _ in range(n - r - 1):  # (7)
         groups += [w(), b(0, zero_bubble=True)]
     groups += [w() for _ in range(r + 1)]  # (8)
@@ -195,13 +232,14 @@ def dualpipev(
     num_ranks: int, num_microbatches: int, tag: str = "PP", dim_name: str = "MB"
 ) -> list[Order]:
     """DualPipeV: 2N stages on N ranks, rank r holds stages r and 2N-1-r; needs m >= 2N."""
-    _check(num_ranks, num_microbatches, "dualpipev")
+    _check("dualpipev", num_ranks=num_ranks, num_microbatches=num_microbatches)
     if num_microbatches < 2 * num_ranks:
         raise DirectiveError(
             f"dualpipev: num_microbatches ({num_microbatches}) must be at least "
             f"2 x num_ranks ({2 * num_ranks})"
         )
-    return [
+    orders = [
         _grouped_order(dualpipev_groups(num_ranks, num_microbatches, r), tag, dim_name)
         for r in range(num_ranks)
     ]
+    return _built(orders, "dualpipev", (num_ranks, num_microbatches), tag, dim_name)
