@@ -234,6 +234,12 @@ NESTED = {
         piper.place({"PP": 0}, [0]),
         piper.place({"PP": 1}, [1]),
     ],
+    "ep_on_its_own_device": lambda: [  # the norm, read inside and after EP, is tied
+        piper.split({"PP": "*"}, num_microbatches=2),
+        piper.place({"PP": 0, "EP": "-"}, [0]),
+        piper.place({"EP": 0}, [2]),
+        piper.place({"PP": 1}, [1]),
+    ],
 }
 
 
