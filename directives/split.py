@@ -9,18 +9,29 @@ from piper_jax.directives.filters import filter_str, select
 from piper_jax.directives.types import Split
 from piper_jax.ir.dag import NodeKind, TrainingDAG
 from piper_jax.ir.errors import DirectiveError
+from piper_jax.ir.regions import region_str
 
 
 def apply_split(dag: TrainingDAG, directive: Split) -> TrainingDAG:
     compute = list(dag.compute_nodes())
     matched = select(compute, directive.filter)
-    missed = sorted({str(n.region_tags) for n in compute} - {str(n.region_tags) for n in matched})
+    where = f"split {filter_str(directive.filter)}"
+    regions = list(dict.fromkeys(region_str(n.region_tags) for n in compute))
     if not matched:
-        raise DirectiveError(f"split {filter_str(directive.filter)}: filter matches no region")
+        hint = (
+            "the model has no annotated region: mark regions with piper.annotate or "
+            "piper.annotate_module in the code the loss runs"
+            if regions == ["{}"]
+            else "check the tag's spelling (tags are case-sensitive)"
+        )
+        raise DirectiveError(
+            f"{where}: filter matches no region; the regions are {', '.join(regions)}: {hint}"
+        )
+    missed = [r for r in regions if r not in {region_str(n.region_tags) for n in matched}]
     if missed:
         raise DirectiveError(
-            f"split {filter_str(directive.filter)} leaves regions {missed} whole: every "
-            "region must be split the same way (use {'PP': '*'} or a filter covering all)"
+            f"{where} leaves regions {', '.join(missed)} whole: every region must be split "
+            "the same way (use {'PP': '*'} or a filter covering all)"
         )
     return split_all(dag, directive.num_microbatches)
 

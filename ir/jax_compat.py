@@ -6,7 +6,9 @@ in one module means a JAX release that moves them breaks one file, not the compi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -33,11 +35,46 @@ def eqn_name_stack(eqn: JaxprEqn) -> str:
 
 
 def eqn_location(eqn: JaxprEqn) -> str:
-    """A short 'file:line' of the user code that emitted `eqn`, for error messages."""
-    frame = source_info_util.user_frame(eqn.source_info.traceback)
+    """A short 'file:line' of the user code that emitted `eqn`, for error messages: the
+    innermost frame outside JAX, Flax, Optax and piper-jax (an nnx.Linear's matmul points
+    at the model line that called the layer, not into Flax)."""
+    frames = list(source_info_util.user_frames(eqn.source_info.traceback))
+    frame = next((f for f in frames if not _is_library_file(f.file_name)), None)
+    frame = frame or next(iter(frames), None)
     if frame is None:
         return "<unknown>"
     return f"{frame.file_name}:{frame.start_line}"
+
+
+def caller_location() -> str:
+    """'file:line' of the innermost Python frame of the caller outside JAX, Flax, Optax,
+    piper-jax and the standard library, for errors raised while the model runs."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if source_info_util.is_user_filename(path) and not _is_library_file(path):
+            return f"{path}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
+
+
+def _library_dirs() -> tuple[str, ...]:
+    names = ("flax", "optax", "piper_jax", "piper_jax.ir", "piper_jax.directives")
+    files = [getattr(sys.modules.get(n), "__file__", None) for n in names]
+    return tuple(os.path.dirname(f) + os.sep for f in files if f)
+
+
+def _is_library_file(path: str) -> bool:
+    return path.startswith(_library_dirs())
+
+
+def nested_eqns(eqn: JaxprEqn) -> Iterator[JaxprEqn]:
+    """Every equation inside the jaxprs `eqn` carries (jit, checkpoint, scan, cond, custom
+    derivatives), at any depth."""
+    for inner in jex.jaxprs_in_params(eqn.params):
+        for e in inner.eqns:
+            yield e
+            yield from nested_eqns(e)
 
 
 def is_var(atom: Any) -> bool:

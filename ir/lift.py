@@ -1,15 +1,25 @@
 """Lift a traced loss into regions: one function per annotated region of the model.
 
 The loss is traced once, at the per-microbatch, per-replica batch shape (shapes are baked
-into a jaxpr), and its equations are cut by the region each was emitted in (see
-Note [how regions survive tracing]). Unannotated equations follow one rule:
+into a jaxpr), and its equations are cut by the annotations each was emitted in (see
+Note [how regions survive tracing]). A region is one contiguous run of equations with the
+same annotations, so one key may name several regions: a {PP:0} block holding a nested
+{PP:0,EP:0} expert layer is three regions, {PP:0}, {PP:0,EP:0} and {PP:0} again, and the
+filter {"PP": 0} matches all three. Regions are numbered in the order the model runs them.
+A loss with no annotation is one region, {}. Annotations inside a nested jaxpr (code under
+jax.jit, jax.checkpoint, scan) cannot be cut out, so they are refused, not ignored.
 
-  * leading ones (before the first annotated equation: embeddings, input casts) join the
-    first region that consumes their result;
-  * trailing ones (after the last annotated equation: final norm, head, loss) join the
-    latest region that produces one of their inputs;
-  * an unannotated equation between two regions is an error, since it has no natural
-    home: wrap it in an annotation.
+Note [which region unannotated code joins]
+Unannotated code is never refused; each equation joins one region:
+  * if its result is used by annotated code (directly or through other unannotated code),
+    the earliest region that uses it: leading code (embeddings, input casts, a padding
+    mask the model reads) and glue between regions (a residual add, a reshape, a norm
+    outside a layer) join the region they feed;
+  * otherwise (its result reaches only the loss) the latest region it reads from:
+    trailing code (final norm, head, loss) joins the last region;
+  * code reading no region's result and used by no annotated code (a label mask made from
+    the batch for the loss) joins the earliest region using its result, else the last.
+`Region.absorbed` and `describe_unannotated` list what each region absorbed.
 """
 
 from __future__ import annotations
@@ -21,7 +31,8 @@ from typing import Any
 import jax.numpy as jnp
 from piper_jax.ir import jax_compat as jc
 from piper_jax.ir.errors import AnnotationError
-from piper_jax.ir.regions import RegionKey, region_from_name_stack, region_str
+from piper_jax.ir.regions import RegionKey, region_str
+from piper_jax.ir.segments import assign_regions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +45,12 @@ class ActRef:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Region:
-    """One annotated region: a pure function (params, batch, acts) -> outputs."""
+    """One annotated region: a pure function (params, batch, acts) -> outputs.
+
+    `index` is unique; `key` (its annotation tags) may be shared by several regions (see
+    the module docstring). `absorbed` describes the unannotated code the region took in
+    ("add at model.py:31"), see Note [which region unannotated code joins].
+    """
 
     index: int
     key: RegionKey
@@ -45,6 +61,7 @@ class Region:
     out_shapes: tuple[tuple[tuple[int, ...], Any], ...]
     loss_position: int | None
     fn: Callable[..., list[Any]]
+    absorbed: tuple[str, ...] = ()
 
     @property
     def tags(self) -> dict[str, int]:
@@ -97,10 +114,8 @@ def lift(
             f"loss_fn must return a float scalar, got {loss_var.aval.str_short()}"
         )
 
-    keys = _assign_regions(eqns, loss_var)
-    order = list(dict.fromkeys(keys))
-    region_of = {k: i for i, k in enumerate(order)}
-    eqn_region = [region_of[k] for k in keys]
+    assignment = assign_regions(eqns)
+    eqn_region = assignment.region_of_eqn
 
     defined_in: dict[Any, int] = {}
     for i, eqn in enumerate(eqns):
@@ -115,14 +130,14 @@ def lift(
     param_index = {v: i for i, v in enumerate(param_vars)}
     batch_index = {v: i for i, v in enumerate(batch_vars)}
     const_value = dict(zip(jaxpr.constvars, closed.consts))
-    outputs: list[list[Any]] = [[] for _ in order]
+    outputs: list[list[Any]] = [[] for _ in assignment.keys]
     for v, r in defined_in.items():
         if v in used_outside or v is loss_var:
             outputs[r].append(v)
     position = {v: (r, outs.index(v)) for r, outs in enumerate(outputs) for v in outs}
 
     regions = []
-    for r, key in enumerate(order):
+    for r, key in enumerate(assignment.keys):
         r_eqns = [e for e, er in zip(eqns, eqn_region) if er == r]
         p_vars, b_vars, a_vars, c_vars = [], [], [], []
         for eqn in r_eqns:
@@ -141,15 +156,7 @@ def lift(
         b_vars = sorted(set(b_vars), key=batch_index.__getitem__)
         a_vars = sorted(set(a_vars), key=position.__getitem__)
         c_vars = list(dict.fromkeys(c_vars))
-        for v in a_vars:
-            q = position[v][0]
-            if q > r:
-                raise AnnotationError(
-                    f"region {region_str(order[q])} feeds region {region_str(key)}, which "
-                    "the model enters earlier: regions must follow one another in the "
-                    "order the model runs them; do not interleave one region's code with "
-                    "another's"
-                )
+        assert all(position[v][0] < r for v in a_vars), "regions read earlier regions only"
         fn = jc.sub_jaxpr_fn(
             c_vars, [const_value[v] for v in c_vars], p_vars + b_vars + a_vars, outputs[r], r_eqns
         )
@@ -166,6 +173,7 @@ def lift(
                 out_shapes=tuple((tuple(v.aval.shape), v.aval.dtype) for v in outputs[r]),
                 loss_position=outputs[r].index(loss_var) if loss_var in outputs[r] else None,
                 fn=_as_region_fn(fn, len(p_vars), len(b_vars)),
+                absorbed=assignment.absorbed[r],
             )
         )
     return LiftedLoss(
@@ -184,34 +192,22 @@ def _as_region_fn(fn: Callable[..., list[Any]], n_params: int, n_batch: int) -> 
     return region_fn
 
 
-def _assign_regions(eqns: list[Any], loss_var: Any) -> list[RegionKey]:
-    """The region of every equation, placing unannotated ones by the rule of the module doc."""
-    keys = [region_from_name_stack(jc.eqn_name_stack(e)) for e in eqns]
-    annotated = [i for i, k in enumerate(keys) if k]
-    if not annotated:
-        return [()] * len(eqns)
-    first, last = annotated[0], annotated[-1]
-    rank = {k: i for i, k in enumerate(dict.fromkeys(k for k in keys if k))}
-    for i in range(first, last):
-        if not keys[i]:
-            raise AnnotationError(
-                f"equation '{eqns[i].primitive}' at {jc.eqn_location(eqns[i])} runs between "
-                "annotated regions but is in none: wrap it in piper_jax.annotate(...) or move "
-                "it inside a neighbouring region"
-            )
-    producer: dict[Any, int] = {}
-    for i, eqn in enumerate(eqns):
-        for v in eqn.outvars:
-            producer[v] = i
-    for i in range(last + 1, len(eqns)):
-        sources = [keys[producer[v]] for v in eqns[i].invars if jc.is_var(v) and v in producer]
-        keys[i] = max(sources, key=rank.__getitem__) if sources else keys[last]
-    consumers: dict[Any, list[int]] = {}
-    for i, eqn in enumerate(eqns):
-        for v in eqn.invars:
-            if jc.is_var(v):
-                consumers.setdefault(v, []).append(i)
-    for i in reversed(range(first)):
-        users = [keys[c] for v in eqns[i].outvars for c in consumers.get(v, [])]
-        keys[i] = min(users, key=rank.__getitem__) if users else keys[first]
-    return keys
+def describe_unannotated(lifted: LiftedLoss, limit: int = 4) -> list[str]:
+    """One line per region that absorbed unannotated code, for `explain()`: the source
+    lines whose code joined it by Note [which region unannotated code joins], with their
+    primitives, e.g. "region 1 {PP:1} absorbs unannotated code at model.py:31 (add)"."""
+    lines = []
+    for r in lifted.regions:
+        by_line: dict[str, list[str]] = {}
+        for entry in r.absorbed:
+            primitive, _, where = entry.partition(" at ")
+            by_line.setdefault(where, []).append(primitive)
+        parts = [f"{where} ({_first(prims, 3)})" for where, prims in by_line.items()]
+        if parts:
+            lines.append(f"region {r.index} {r} absorbs unannotated code at {_first(parts, limit)}")
+    return lines
+
+
+def _first(items: list[str], limit: int) -> str:
+    more = f", +{len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more

@@ -4,7 +4,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from piper_jax import distributed, schedules
-from piper_jax.annotate import annotate
+from piper_jax.annotate import annotate, annotate_module
 from piper_jax.directives import dump_directives, load_directives
 from piper_jax.directives.types import Order, Place, Recompute, Replicate, Shard, Split
 from piper_jax.ir.errors import (
@@ -71,6 +71,7 @@ __all__ = [
     "PlanError",
     "TrainStep",
     "annotate",
+    "annotate_module",
     "compile",
     "distributed",
     "dump_directives",
