@@ -27,6 +27,7 @@ from piper_jax.mpmd_runtime.simulator import Simulation, simulate
 from piper_jax.mpmd_runtime.timeline import write_timeline
 from piper_jax.mpmd_runtime.transport import check_same_plans
 from piper_jax.optimizer_check import plan_optimizer
+from piper_jax.validation import check_batch_leaves, check_compile_args
 
 DEFAULT_STEP_TIMEOUT_S = 300.0
 
@@ -89,6 +90,7 @@ def compile(
     Returns:
       A TrainStep; call it with a global batch to run one training step.
     """
+    check_compile_args(loss_fn, model, optimizer, example_batch, timeout_s)
     devices = _check_devices(jax.devices() if devices is None else devices)
     directives = check_directives(directives)
     m = num_microbatches(directives)
@@ -180,6 +182,7 @@ class TrainStep:
         return {"loss": self._executor.step(self._batch_leaves(batch), self.timeout_s)}
 
     def _batch_leaves(self, batch: Any) -> list[np.ndarray]:
+        check_batch_leaves(batch, "batch")
         leaves, treedef = jax.tree_util.tree_flatten(batch)
         if treedef != self._batch_treedef:
             raise BatchError(
