@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -14,10 +16,18 @@ Filter = Mapping[str, FilterValue]
 
 
 def check_filter(flt: Any, where: str) -> dict[str, FilterValue]:
-    """A filter maps tags to an int, '*' (any index) or '-' (tag absent); PASS to a pass."""
-    if not isinstance(flt, Mapping) or not flt:
+    """A filter maps tags to an int, '*' (any index) or '-' (tag absent); PASS to a pass.
+    The empty filter {} matches every region (the reference Piper's harness splits with it)."""
+    if _is_pair_list(flt):
+        written = {tag: value for tag, value in flt}
         raise DirectiveError(
-            f"{where}: filter must be a non-empty dict such as {{'PP': 0}}, got {flt!r}"
+            f"{where}: filter {flt!r} is a list of [tag, index] pairs, an old form the "
+            f"reference Piper no longer reads; write the object {json.dumps(written)}"
+        )
+    if not isinstance(flt, Mapping):
+        raise DirectiveError(
+            f"{where}: filter must be a dict such as {{'PP': 0}} ({{}} for every region), "
+            f"got {flt!r}"
         )
     out: dict[str, FilterValue] = {}
     for tag, value in flt.items():
@@ -31,10 +41,37 @@ def check_filter(flt: Any, where: str) -> dict[str, FilterValue]:
         ):
             raise DirectiveError(
                 f"{where}: filter value for {tag!r} must be an index >= 0, '*' or '-', "
-                f"got {value!r}"
+                f"got {value!r}{_filter_value_hint(value)}"
             )
         out[tag] = value
     return out
+
+
+def _is_pair_list(flt: Any) -> bool:
+    return (
+        isinstance(flt, list)
+        and bool(flt)
+        and all(isinstance(p, list | tuple) and len(p) == 2 and isinstance(p[0], str) for p in flt)
+    )
+
+
+def _filter_value_hint(value: Any) -> str:
+    if value is None:
+        return "; write '-' for regions without the tag, or '*' for any index"
+    return _unquote_hint(value, int)
+
+
+def _unquote_hint(value: Any, kind: type | tuple[type, ...] = (int, float)) -> str:
+    """For a number written as a string ("4", which the reference Piper converts): say so."""
+    if not isinstance(value, str):
+        return ""
+    try:
+        number = json.loads(value.strip())
+    except ValueError:
+        return ""
+    if isinstance(number, bool) or not isinstance(number, kind) or not math.isfinite(number):
+        return ""
+    return f"; write the number {number}, not the string {value!r}"
 
 
 def check_devices(devices: Any, where: str) -> tuple[int, ...]:
@@ -53,6 +90,32 @@ def check_devices(devices: Any, where: str) -> tuple[int, ...]:
     return tuple(devices)
 
 
+def check_bool(value: Any, field: str, where: str) -> bool:
+    """A real bool: the reference Piper reads "false" (a string) as true, so refuse it."""
+    if not isinstance(value, bool):
+        raise DirectiveError(
+            f"{where}: {field} must be true or false, got {value!r} "
+            f"({type(value).__name__}); write false or true, without quotes"
+        )
+    return value
+
+
+def check_stream(value: Any, field: str, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise DirectiveError(f"{where}: {field} must be a stream name such as 'pp', got {value!r}")
+    return value
+
+
+def check_count(value: Any, field: str, where: str) -> int:
+    """An int >= 1 (the reference Piper also takes "4" and 4.0: say what to write)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        hint = _unquote_hint(value, int)
+        if isinstance(value, float) and value.is_integer() and value >= 1:
+            hint = f"; write {int(value)}"
+        raise DirectiveError(f"{where}: {field} must be an int >= 1, got {value!r}{hint}")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Split:
     """Cut the batch of matched regions into `num_microbatches` microbatches, tagged MB=i."""
@@ -63,9 +126,7 @@ class Split:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "filter", check_filter(self.filter, "split"))
-        n = self.num_microbatches
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise DirectiveError(f"split: num_microbatches must be an int >= 1, got {n!r}")
+        check_count(self.num_microbatches, "num_microbatches", "split")
         if self.dim_name != "MB":
             raise DirectiveError(f"split: dim_name {self.dim_name!r} is not supported; use 'MB'")
 
@@ -81,6 +142,7 @@ class Place:
     def __post_init__(self) -> None:
         object.__setattr__(self, "filter", check_filter(self.filter, "place"))
         object.__setattr__(self, "devices", check_devices(self.devices, "place"))
+        check_stream(self.stream, "stream", "place")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,11 +169,21 @@ class Replicate:
     def __post_init__(self) -> None:
         object.__setattr__(self, "filter", check_filter(self.filter, "replicate"))
         object.__setattr__(self, "devices", check_devices(self.devices, "replicate"))
+        check_bool(self.shard_grads, "shard_grads", "replicate")
+        check_bool(self.shard_params, "shard_params", "replicate")
         size = self.bucket_size
         if size is not None and (
-            isinstance(size, bool) or not isinstance(size, int | float) or size <= 0
+            isinstance(size, bool)
+            or not isinstance(size, int | float)
+            or not math.isfinite(size)
+            or size <= 0
         ):
-            raise DirectiveError(f"replicate: bucket_size must be a number of MB > 0, got {size!r}")
+            raise DirectiveError(
+                f"replicate: bucket_size must be a finite number of MB > 0 (or null for one "
+                f"all-reduce), got {size!r}{_unquote_hint(size)}"
+            )
+        check_stream(self.reduce_stream, "reduce_stream", "replicate")
+        check_stream(self.gather_stream, "gather_stream", "replicate")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +197,7 @@ class Shard:
     def __post_init__(self) -> None:
         object.__setattr__(self, "filter", check_filter(self.filter, "shard"))
         object.__setattr__(self, "devices", check_devices(self.devices, "shard"))
+        check_stream(self.stream, "stream", "shard")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -114,6 +114,22 @@ def initialize(
         _exit_at_once_on_uncaught_exception()
 
 
+def check_joined() -> None:
+    """Refuse to train in a process that the launcher started as one of N but that never
+    joined the others: it would train the whole model alone (and exit 0), or fail on a
+    device index that only exists across processes."""
+    if ENV_NUM_PROCESSES not in os.environ:
+        return
+    expected = _env_int(ENV_NUM_PROCESSES, minimum=1)
+    if expected > 1 and jax.process_count() == 1:
+        raise DistributedError(
+            f"{ENV_NUM_PROCESSES}={expected}: this process was started as one of {expected} "
+            "(by piper-launch), but JAX sees only itself: call "
+            "piper_jax.distributed.initialize() at the top of the script, before any other "
+            "JAX call, so that the processes train together"
+        )
+
+
 def process_index() -> int:
     """This process's index among the processes of the run (0 when single-process)."""
     return jax.process_index()

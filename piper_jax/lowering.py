@@ -38,6 +38,7 @@ from piper_jax.mpmd_runtime.simulator import Simulation, simulate
 from piper_jax.mpmd_runtime.timeline import write_timeline
 from piper_jax.optimizer_check import plan_optimizer
 from piper_jax.param_tree import ParamTree, leaf_name
+from piper_jax.validation import check_model_args
 
 Group = tuple[int, ...]
 NONFINITE = ("raise", "skip", "ignore")
@@ -139,6 +140,7 @@ def lower(
     """
     if nonfinite not in NONFINITE:
         raise PiperError(f"nonfinite={nonfinite!r}: use one of {', '.join(NONFINITE)}")
+    check_model_args(loss_fn, model, optimizer, example_batch)
     num_devices = jax.device_count() if num_devices is None else num_devices
     directives = check_directives(directives)
     m = num_microbatches(directives)
@@ -172,7 +174,7 @@ def lower(
     tree = ParamTree(params)
     upds = list(dag.of_kind(NodeKind.UPD))
     carrier = plan_optimizer(
-        _checked_optimizer(optimizer),
+        optimizer,
         tree,
         dict(zip(param_names, param_leaves)),
         [[param_names[p] for p in n.params] for n in upds],
@@ -279,12 +281,3 @@ def _check_transfers(plans: Plans, lifts: Mapping[Group, LiftedLoss]) -> None:
                         "regions on groups of the same width, or move this value inside one "
                         "region"
                     )
-
-
-def _checked_optimizer(optimizer: Any) -> optax.GradientTransformation:
-    if not isinstance(optimizer, optax.GradientTransformation):
-        raise PiperError(
-            f"optimizer must be an optax.GradientTransformation such as optax.adamw(1e-3), "
-            f"got {optimizer!r}"
-        )
-    return optimizer

@@ -22,6 +22,7 @@ from piper_jax.mpmd_runtime import Executor
 from piper_jax.mpmd_runtime.simulator import Simulation
 from piper_jax.mpmd_runtime.timeline import write_timeline
 from piper_jax.mpmd_runtime.transport import check_same_plans
+from piper_jax.validation import check_batch_leaves, check_run_args
 
 DEFAULT_STEP_TIMEOUT_S = 300.0
 
@@ -79,6 +80,7 @@ def compile(
     Returns:
       A TrainStep; call it with a global batch to run one training step.
     """
+    check_run_args(timeout_s)
     devices = _check_devices(jax.devices() if devices is None else devices)
     lowered = lower(
         loss_fn,
@@ -139,6 +141,7 @@ class TrainStep:
 
     def _batch_leaves(self, batch: Any) -> list[np.ndarray]:
         spec = self.lowered.batch
+        check_batch_leaves(batch, "batch")
         leaves, treedef = jax.tree_util.tree_flatten(batch)
         if treedef != spec.treedef:
             raise BatchError(

@@ -54,6 +54,6 @@ def test_json_round_trip(tmp_path) -> None:
 
 def test_json_unknown_field(tmp_path) -> None:
     path = tmp_path / "s.json"
-    path.write_text('[{"op": "place", "filter": {"PP": 0}, "device": [0]}]')
+    path.write_text('[{"op": "place", "filter": {"PP": 0}, "devices": [0], "colour": "red"}]')
     with pytest.raises(piper.DirectiveError, match=r"directive 0 \(place\): unknown field"):
         piper.load_directives(path)

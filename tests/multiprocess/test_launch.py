@@ -290,3 +290,34 @@ def test_initialize_refuses_a_bad_environment(tmp_path):
     assert len(lines) == len(messages), r.stdout
     for line, message in zip(lines, messages):
         assert line.startswith("PiperError:") and message in line, line
+
+
+@pytest.mark.parametrize("devices_per_proc", [1, 2])
+def test_a_launched_script_that_never_initializes_is_told_to(tmp_path, devices_per_proc):
+    """Without initialize() each rank saw only itself: with 2 devices per process it
+    trained the whole model alone and exited 0; with 1, device index 1 was out of range."""
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = _script(
+        tmp_path,
+        f"""
+        import sys
+        sys.path.insert(0, {tests!r})
+        import optax
+        import piper_jax as piper
+        from helpers import StageMLP, mlp_batches, mlp_loss
+
+        directives = [piper.place({{"PP": 0}}, [0]), piper.place({{"PP": 1}}, [1])]
+        step = piper.compile(mlp_loss, StageMLP(2), optax.sgd(0.1), mlp_batches(1)[0],
+                             directives if {devices_per_proc} == 1 else [])
+        print("trained alone", step(mlp_batches(1)[0])["loss"])
+        """,
+    )
+    args = ["--nprocs", "2", "--devices-per-proc", str(devices_per_proc), "--timeout", "90"]
+    r = _launch([*args, script], 120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "trained alone" not in r.stdout
+    assert re.search(
+        r"\[rank \d\] piper_jax\.ir\.errors\.DistributedError: PIPER_NUM_PROCESSES=2: .*"
+        r"call piper_jax\.distributed\.initialize\(\) at the top of the script",
+        r.stderr,
+    ), r.stderr[-3000:]
