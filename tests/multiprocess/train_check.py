@@ -32,6 +32,14 @@ def strategy(name: str) -> tuple[int, list]:
         places = [piper.place({"PP": s}, g) for s, g in enumerate(groups)]
         reps = [piper.replicate({"PP": s}, g) for s, g in enumerate(groups)]
         return 2, split + places + reps + schedules.one_f_one_b(2, 4)
+    if name == "pp2_2_to_1":  # stage 0 over process 0's two devices, stage 1 on one of 1's
+        directives = [piper.place({"PP": 0}, [0, 1]), piper.replicate({"PP": 0}, [0, 1])]
+        directives += [piper.place({"PP": 1}, [2])]
+        return 2, split + directives + schedules.one_f_one_b(2, 4)
+    if name == "pp2_1_to_2_zero3":  # stage 0 on one device, stage 1 ZeRO-3 over two
+        directives = [piper.place({"PP": 0}, [0]), piper.place({"PP": 1}, [2, 3])]
+        directives += [piper.replicate({"PP": 1}, [2, 3], shard_params=True)]
+        return 2, split + directives + schedules.one_f_one_b(2, 4)
     if name == "dualpipev2":  # rank r holds stages r and 3 - r
         places = [piper.place({"PP": s}, [min(s, 3 - s)]) for s in range(4)]
         return 4, split + places + schedules.dualpipev(2, 4)
