@@ -281,20 +281,26 @@ def to_steps(
 
 
 def insert_frees(steps: Mapping[Group, list[Step]], ctx: bf.PlanContext) -> dict[Group, list[Step]]:
-    """A FREE after the last step of a group that reads or writes a value (residuals are
+    """A FREE after the last step of a group that touches a value the store holds (a
+    value written and read inside one fused step never reaches the store; residuals are
     consumed by the backward that reads them last; state lives on)."""
     out = {}
     for g, plan in steps.items():
-        last: dict[bf.Buffer, int] = {}
+        touched: dict[bf.Buffer, list[int]] = {}
+        inside: set[bf.Buffer] = set()  # written by a program step (not an exchange)
         for i, step in enumerate(plan):
             for ins in step.instructions:
                 acc = bf.access(ins, g, ctx)
                 for b in acc.reads + acc.writes:
                     if b.kind is bf.Kind.VALUE:
-                        last[b] = i
+                        touched.setdefault(b, []).append(i)
+                if ins.op not in (SEND, RECV):
+                    inside.update(b for b in acc.writes if b.kind is bf.Kind.VALUE)
         frees_after: dict[int, list[str]] = {}
-        for b, i in last.items():
-            frees_after.setdefault(i, []).append(b.name)
+        for b, where in touched.items():
+            if b in inside and len(set(where)) == 1:
+                continue  # made and used up inside one program
+            frees_after.setdefault(where[-1], []).append(b.name)
         new = []
         for i, step in enumerate(plan):
             new.append(step)

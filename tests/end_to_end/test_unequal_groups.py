@@ -7,10 +7,10 @@ from __future__ import annotations
 import optax
 import pytest
 from helpers import check_mlp_strategy
+from piper_jax.mpmd_runtime.transport import transfer_rounds
 
 import piper_jax as piper
 from piper_jax import schedules
-from piper_jax.mpmd_runtime.transport import transfer_rounds
 
 OPT = optax.adam(1e-2)
 
