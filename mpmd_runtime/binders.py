@@ -177,12 +177,11 @@ def reduce_piece(rt: Runtime, g: Group, ins: Instruction) -> Piece:
     access = bf.access(ins, g, rt.ctx)
     mesh = rt.meshes[g]
     if ins.value == GNORM:
-        grads = grad_reader(rt, g, bf.norm_params(rt.ctx, g))
+        partial = norm_partials(rt, g)
 
         def norm(env: Env) -> Env:
-            parts = [x for x, _ in grads(env)]
-            total = sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in parts), 0.0)
-            return {access.writes[0]: jax.lax.with_sharding_constraint(total, replicated(mesh))}
+            total = jax.lax.with_sharding_constraint(partial(env).sum(), replicated(mesh))
+            return {access.writes[0]: total}
 
         return Piece(access, norm)
 
@@ -347,25 +346,32 @@ def _reduce_side(
     return (lambda store: before([store[a] for a in accs])), after
 
 
-def _norm_side(rt: Runtime, g: Group) -> tuple[Callable, Callable]:
+def norm_partials(rt: Runtime, g: Group) -> Callable[[Env], jax.Array]:
+    """Group g's squared gradient norm as per-replica partial sums (dp,), whose sum is
+    the group's share of the global norm: no collective per parameter, one at the end."""
     mesh = rt.meshes[g]
     grads = grad_reader(rt, g, bf.norm_params(rt.ctx, g))
-    reads = bf.access(Instruction(ALL_REDUCE, GNORM, (0,)), g, rt.ctx).reads
 
-    def partial(values: list) -> jax.Array:
-        env = dict(zip(reads, values))
+    def partial(env: Env) -> jax.Array:
         parts = []
         for x, layout in grads(env):
             sq = jnp.square(x.astype(jnp.float32))
-            if layout is Placement.REPLICATED:
+            if layout is Placement.REPLICATED:  # every device holds the total: count it once
                 parts.append(jnp.full((mesh.size,), jnp.sum(sq) / mesh.size))
             else:  # per-replica rows: partial sums (one replica) or ZeRO shards
                 rows = sq if layout is Placement.FLAT else sq[None]
                 parts.append(rows.reshape(mesh.size, -1).sum(1))
         total = sum(parts, jnp.zeros((mesh.size,), jnp.float32))
-        return jax.lax.with_sharding_constraint(total.reshape(mesh.size, 1), stacked(mesh))
+        return jax.lax.with_sharding_constraint(total, stacked(mesh))
 
-    before = jax.jit(partial)
+    return partial
+
+
+def _norm_side(rt: Runtime, g: Group) -> tuple[Callable, Callable]:
+    mesh = rt.meshes[g]
+    partial = norm_partials(rt, g)
+    reads = bf.access(Instruction(ALL_REDUCE, GNORM, (0,)), g, rt.ctx).reads
+    before = jax.jit(lambda values: partial(dict(zip(reads, values))).reshape(mesh.size, 1))
     after = jax.jit(lambda total: jax.lax.with_sharding_constraint(total[0], replicated(mesh)))
     return (lambda store: before([store[b] for b in reads])), after
 
