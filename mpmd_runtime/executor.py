@@ -11,6 +11,7 @@ process skips the steps of groups it holds no device of; a group may span proces
 from __future__ import annotations
 
 import functools
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -155,6 +156,8 @@ class Executor:
         }
         self.losses: list[jax.Array] = []
         self.grad_norm: jax.Array | None = None
+        self._unit_programs: dict[tuple, Callable] = {}
+        self._last_read: dict[Group, dict[bf.Buffer, int]] = {}
         self.step_events: list[Event] = [e for e in plans.order if self._takes_part(e)]
         self.steps: list[Closure] = [self._bind(e) for e in self.step_events]
         self.failures = FailureReport(plans, rt.meshes, self.step_events)
@@ -207,28 +210,34 @@ class Executor:
     def _bind_unit(self, g: Group, position: int, step: Step) -> Closure:
         """A step of one or more pieces as one jitted program (see Note [buffers of a
         device group]): its inputs are what its pieces read and no earlier piece wrote;
-        it returns what later steps read and all state it wrote."""
+        it returns what later steps read and all state it wrote. Steps that differ only
+        in their microbatches share one program (compiled once)."""
         pieces = [binders.PIECES[ins.op](self.rt, g, ins) for ins in step.instructions]
-        produced: set[bf.Buffer] = set()
+        produced: dict[bf.Buffer, None] = {}
         inputs: list[bf.Buffer] = []
         consumed: set[bf.Buffer] = set()
         for piece in pieces:
             inputs += [b for b in piece.access.reads if b not in produced and b not in inputs]
             consumed |= piece.access.consumes
-            produced.update(piece.access.writes)
-        later = self._read_after(g, position)
-        outputs = [b for b in produced if b.kind is not bf.Kind.VALUE or b in later]
+            produced.update(dict.fromkeys(piece.access.writes))
+        last_read = self._last_reads(g)
+        outputs = [
+            b for b in produced if b.kind is not bf.Kind.VALUE or last_read.get(b, -1) > position
+        ]
         # state read for the last time is donated: its buffers become the new state's
         donated = [b for b in inputs if b in consumed and b.kind in bf.PERSISTENT]
         kept = [b for b in inputs if b not in donated]
+        key = _signature(g, step, donated, kept, outputs)
+        if key not in self._unit_programs:
 
-        def program(donated_values: list, kept_values: list) -> list:
-            env = dict(zip(donated, donated_values)) | dict(zip(kept, kept_values))
-            for piece in pieces:
-                env.update(piece.fn(env))
-            return [env[b] for b in outputs]
+            def program(donated_values: list, kept_values: list) -> list:
+                env = dict(zip(donated, donated_values)) | dict(zip(kept, kept_values))
+                for piece in pieces:
+                    env.update(piece.fn(env))
+                return [env[b] for b in outputs]
 
-        jitted = jax.jit(program, donate_argnums=(0,))
+            self._unit_programs[key] = jax.jit(program, donate_argnums=(0,))
+        jitted = self._unit_programs[key]
         consumed_values = [b for b in kept if b in consumed]  # residuals: dropped after use
         store, losses = self.rt.stores[g], self.losses
 
@@ -245,15 +254,16 @@ class Executor:
 
         return run
 
-    def _read_after(self, g: Group, position: int) -> set[bf.Buffer]:
-        """Buffers that steps of g after `position` read (a later write hides nothing:
-        values are written once)."""
-        out: set[bf.Buffer] = set()
-        for step in self.plans.steps[g][position + 1 :]:
-            for ins in step.instructions:
-                if ins.op != FREE:
-                    out.update(bf.access(ins, g, self.rt.ctx).reads)
-        return out
+    def _last_reads(self, g: Group) -> dict[bf.Buffer, int]:
+        """The last step of g that reads each buffer (values are written once)."""
+        if g not in self._last_read:
+            last: dict[bf.Buffer, int] = {}
+            for i, step in enumerate(self.plans.steps[g]):
+                for ins in step.instructions:
+                    if ins.op != FREE:
+                        last.update(dict.fromkeys(bf.access(ins, g, self.rt.ctx).reads, i))
+            self._last_read[g] = last
+        return self._last_read[g]
 
     # ---- running a step -------------------------------------------------------------
 
@@ -410,3 +420,21 @@ class Executor:
             )
             best = max(best, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(res)))
         return best // width
+
+
+_MICROBATCH = re.compile(r"\.(\d+)")
+
+
+def _signature(g: Group, step: Step, *buffers: list[bf.Buffer]) -> tuple:
+    """What a fused step computes, up to its microbatches (renumbered in order of
+    appearance): steps with one signature can run one compiled program."""
+    seen: dict[str, int] = {}
+
+    def canonical(text: str) -> str:
+        return _MICROBATCH.sub(lambda m: f".#{seen.setdefault(m.group(1), len(seen))}", text)
+
+    return (
+        g,
+        tuple(canonical(str(i)) for i in step.instructions),
+        *(tuple(canonical(str(b)) for b in group) for group in buffers),
+    )

@@ -28,76 +28,99 @@ def _proxy_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(min(d, 3) for d in shape)
 
 
+Leaves = dict[str, np.ndarray]  # name -> (instances, *shape): one optimizer run per instance
+
+
 def _run(
     optimizer: optax.GradientTransformation,
     tree: ParamTree,
-    params: dict[str, np.ndarray],
-    grads: list[dict[str, np.ndarray]],
-    carriers: list[float] | None = None,
-) -> dict[str, np.ndarray]:
-    """Steps of `optimizer` on the tree cut to `params`' names; with `carriers`, each
-    step's extra CARRIER gradient."""
+    params: Leaves,
+    grads: list[Leaves],
+    carriers: np.ndarray | None = None,
+) -> Leaves:
+    """Steps of `optimizer` on the tree cut to `params`' names, for every instance at once
+    (vmapped over the leading axis: one dispatch per op for all of them); with
+    `carriers` (steps, instances), each step's extra CARRIER gradient."""
     names = list(params)
     treedef, order = tree(names, carriers is not None)
 
-    def as_tree(values: dict[str, Any], carrier: float) -> Any:
-        values = {**values, CARRIER: np.float32(carrier)}
+    def as_tree(values: dict[str, Any], carrier: Any) -> Any:
+        values = {**values, CARRIER: carrier}
         return jax.tree_util.tree_unflatten(treedef, [values[n] for n in order])
 
-    p = as_tree(params, 0.0)
-    state = optimizer.init(p)
-    for step, g in enumerate(grads):
-        updates, state = optimizer.update(as_tree(g, carriers[step] if carriers else 0.0), state, p)
-        p = optax.apply_updates(p, updates)
-    out = dict(zip(order, jax.tree_util.tree_leaves(p)))
-    out.pop(CARRIER, None)
-    return {n: np.asarray(v) for n, v in out.items()}
+    def one(p: Leaves, gs: list[Leaves], cs: Any) -> Leaves:
+        zero = jax.numpy.zeros((), jax.numpy.float32)
+        tree_p = as_tree(p, zero)
+        state = optimizer.init(tree_p)
+        for step, g in enumerate(gs):
+            c = zero if cs is None else cs[step]
+            updates, state = optimizer.update(as_tree(g, c), state, tree_p)
+            tree_p = optax.apply_updates(tree_p, updates)
+        out = dict(zip(order, jax.tree_util.tree_leaves(tree_p)))
+        out.pop(CARRIER, None)
+        return out
+
+    cs = None if carriers is None else np.asarray(carriers, np.float32).T
+    result = jax.jit(jax.vmap(one))(params, grads, cs)
+    return {n: np.asarray(v) for n, v in result.items()}
 
 
-def _halves(values: dict[str, np.ndarray], half: int) -> dict[str, np.ndarray]:
-    """One of two flat shards of every leaf (ZeRO's layout with two replicas)."""
-    return {n: np.array_split(np.ravel(v), 2)[half] for n, v in values.items()}
+def _halves(values: Leaves) -> Leaves:
+    """Both flat shards of every leaf (ZeRO's layout with two replicas), as two
+    instances per instance: (instances, *shape) -> (2 * instances, ceil(size / 2))."""
+    out = {}
+    for n, v in values.items():
+        flat = v.reshape(v.shape[0], -1)
+        flat = np.pad(flat, ((0, 0), (0, flat.shape[1] % 2)))
+        out[n] = flat.reshape(v.shape[0] * 2, -1)
+    return out
+
+
+def _square_norms(values: Leaves) -> np.ndarray:
+    """Per instance, the squared norm of all the leaves."""
+    return sum(np.sum(np.square(v).reshape(len(v), -1), 1) for v in values.values())
 
 
 def _agrees(
     optimizer: optax.GradientTransformation,
     tree: ParamTree,
-    proxy: dict[str, np.ndarray],
-    grads: list[dict[str, np.ndarray]],
+    proxy: Leaves,
+    grads: list[Leaves],
     groups: Sequence[Sequence[str]],
     sharded: bool,
     carrier: bool,
 ) -> bool:
+    """Each group's (and under ZeRO each shard's) own update equals its part of the update
+    of all parameters at once, for every instance (gradient scale) of `grads`."""
     joint = _run(optimizer, tree, proxy, grads)
-    total = [sum(float(np.sum(np.square(v))) for v in g.values()) for g in grads]
     for group in groups:
-        for half in (0, 1) if sharded else (None,):
 
-            def cut(
-                values: dict[str, np.ndarray], half: int | None = half, group: Sequence = group
-            ) -> dict:
-                picked = {n: values[n] for n in group}
-                return picked if half is None else _halves(picked, half)
+        def cut(values: Leaves, group: Sequence[str] = group) -> Leaves:
+            picked = {n: values[n] for n in group}
+            return _halves(picked) if sharded else picked
 
-            piece_grads = [cut(g) for g in grads]
-            carriers = None
-            if carrier:
-                carriers = [
-                    np.sqrt(max(t - sum(float(np.sum(np.square(v))) for v in g.values()), 0.0))
-                    for t, g in zip(total, piece_grads)
-                ]
-            got = _run(optimizer, tree, cut(proxy), piece_grads, carriers)
-            want, start = cut(joint), cut(proxy)
-            for n, v in got.items():
-                # compare the updates, relative to their own size: parameters of size 10
-                # would hide an update that is wrong by 15% at a small learning rate
-                got_update = np.asarray(v, np.float64) - start[n]
-                want_update = np.asarray(want[n], np.float64) - start[n]
-                scale = float(np.max(np.abs(want_update), initial=0.0))
-                if got_update.shape != want_update.shape or not np.allclose(
-                    got_update, want_update, rtol=1e-3, atol=1e-3 * scale + 1e-30
-                ):
-                    return False
+        piece_grads = [cut(g) for g in grads]
+        carriers = None
+        if carrier:
+            total = [_square_norms(g) for g in grads]
+            seen = [_square_norms(g) for g in piece_grads]
+            reps = 2 if sharded else 1
+            carriers = np.stack(
+                [np.sqrt(np.maximum(np.repeat(t, reps) - s, 0.0)) for t, s in zip(total, seen)]
+            )
+        got = _run(optimizer, tree, cut(proxy), piece_grads, carriers)
+        want, start = cut(joint), cut(proxy)
+        for n, v in got.items():
+            # compare the updates, relative to their own size: parameters of size 10
+            # would hide an update that is wrong by 15% at a small learning rate
+            got_update = np.asarray(v, np.float64) - start[n]
+            want_update = np.asarray(want[n], np.float64) - start[n]
+            scale = np.max(np.abs(want_update.reshape(len(v), -1)), axis=1, initial=0.0)
+            tol = 1e-3 * scale.reshape((-1,) + (1,) * (v.ndim - 1)) + 1e-30
+            if got_update.shape != want_update.shape or not np.all(
+                np.abs(got_update - want_update) <= tol + 1e-3 * np.abs(want_update)
+            ):
+                return False
     return True
 
 
@@ -126,19 +149,24 @@ def plan_optimizer(
         n: rng.normal(size=_proxy_shape(np.shape(p))).astype(np.float32) * 10
         for n, p in params.items()
     }
+    # gradient scales far below and far above any clipping threshold a user would set, so
+    # a norm-dependent transform shows its coupling at one of them: one instance each
+    scales = np.array([1e-6, 1.0, 1e6], np.float32)
+    instances = len(scales)
     grads = [
-        {k: rng.normal(size=v.shape).astype(np.float32) * 10 for k, v in proxy.items()}
+        {
+            k: rng.normal(size=v.shape).astype(np.float32)[None]
+            * 10
+            * scales.reshape((-1,) + (1,) * v.ndim)
+            for k, v in proxy.items()
+        }
         for _ in range(2)
     ]
-    # gradient scales far below and far above any clipping threshold a user would set, so
-    # a norm-dependent transform shows its coupling at one of them
-    scaled = [
-        [{k: v * np.float32(f) for k, v in g.items()} for g in grads] for f in (1e-6, 1.0, 1e6)
-    ]
+    proxy = {k: np.broadcast_to(v, (instances, *v.shape)).copy() for k, v in proxy.items()}
     try:
-        if all(_agrees(optimizer, tree, proxy, g, groups, sharded, False) for g in scaled):
+        if _agrees(optimizer, tree, proxy, grads, groups, sharded, False):
             return False
-        if all(_agrees(optimizer, tree, proxy, g, groups, sharded, True) for g in scaled):
+        if _agrees(optimizer, tree, proxy, grads, groups, sharded, True):
             return True
     except Exception as err:
         raise PiperError(

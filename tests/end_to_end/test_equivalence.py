@@ -102,3 +102,14 @@ def test_clip_threshold_above_proxy_scale_still_global() -> None:
     for b in batches:
         b["y"] = b["y"] * 300.0  # gradient norm about 600: the clip is active
     check_mlp_strategy(pipeline(2, 2, schedules.one_f_one_b), opt, batches=batches)
+
+
+def test_each_distinct_program_is_compiled_once() -> None:
+    """Passes that differ only in their microbatch share one program: the number of
+    programs of a pipeline does not grow with the number of microbatches."""
+
+    def programs(m: int) -> int:
+        step = check_mlp_strategy(pipeline(2, m, schedules.one_f_one_b), OPT)
+        return len(step._executor._unit_programs)
+
+    assert programs(8) == programs(2) <= 12
