@@ -1,5 +1,6 @@
 """Run by both processes of the plan-mismatch test: process 1 asks for a different
-microbatch count than process 0, which must be caught at start-up, not deadlock."""
+microbatch count (`microbatches`) or batch size (`batch`) than process 0, which must be
+caught at start-up, not deadlock or abort in gloo. Usage: mismatch.py microbatches|batch"""
 
 from __future__ import annotations
 
@@ -19,17 +20,17 @@ import piper_jax as piper  # noqa: E402
 
 
 def main() -> None:
-    m = 2 if dist.process_index() == 0 else 4
+    differ = dist.process_index() == 1
+    m = 4 if differ and sys.argv[1] == "microbatches" else 2
+    batch = mlp_batches(1, batch_size=32 if differ and sys.argv[1] == "batch" else 16)[0]
     directives = [
         piper.split({"PP": "*"}, num_microbatches=m),
         piper.place({"PP": 0}, [0]),
         piper.place({"PP": 1}, [1]),
         *piper.schedules.one_f_one_b(2, m),
     ]
-    step = piper.compile(
-        mlp_loss, StageMLP(2), optax.sgd(0.1), mlp_batches(1)[0], directives, timeout_s=20
-    )
-    step(mlp_batches(1)[0])
+    step = piper.compile(mlp_loss, StageMLP(2), optax.sgd(0.1), batch, directives, timeout_s=20)
+    step(batch)
     print("no error: the mismatch went unnoticed", flush=True)
 
 

@@ -97,7 +97,9 @@ def test_dead_or_stalled_peer_fails_the_step_with_a_piper_error(mode: str) -> No
             p.communicate()
 
 
-def test_processes_with_different_plans_fail_at_start_up() -> None:
+@pytest.mark.parametrize("what", ["microbatches", "batch"])
+def test_processes_with_different_plans_fail_at_start_up(what: str) -> None:
+    """Plans, and the parameter and batch shapes they run on, must agree."""
     cmd = [
         sys.executable,
         "-m",
@@ -107,6 +109,7 @@ def test_processes_with_different_plans_fail_at_start_up() -> None:
         "--timeout",
         "100",
         os.path.join(HERE, "mismatch.py"),
+        what,
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     out = result.stdout + result.stderr
