@@ -179,9 +179,10 @@ def dualpipev_groups(num_ranks: int, num_microbatches: int, rank: int) -> list[l
 
     The rank holds two stages, one on each leg of the V: leg 0 is stage `rank`, leg 1 is
     stage 2N-1-rank. A group of several passes is an overlap group: a forward of one leg
-    beside a backward of the other. A backward that is not zero-bubble is written as
-    BI and BW in one group (one whole backward); a zero-bubble one runs BI and defers
-    its BW to a FIFO that the W steps drain, oldest first.
+    beside a backward of the other. A backward that is not zero-bubble is a whole B, as
+    the reference Piper writes it; a zero-bubble one runs BI and defers its BW to a FIFO
+    that the W steps drain, oldest first (the backward split is per (region,
+    microbatch), so one stage runs both kinds).
 
     Note [DualPipeV's last rank]
     In the main phase (4) the last rank does not overlap its first F/B pair: the
@@ -205,7 +206,7 @@ def dualpipev_groups(num_ranks: int, num_microbatches: int, rank: int) -> list[l
         if zero_bubble:
             deferred.append(("BW", stage[leg], i))
             return [("BI", stage[leg], i)]
-        return [("BI", stage[leg], i), ("BW", stage[leg], i)]
+        return [("B", stage[leg], i)]
 
     def w() -> list[Action]:
         return [deferred.pop(0)]
