@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from piper_jax.directives import zero
 from piper_jax.directives.backward_split import backwards_to_split, split_backward_nodes
 from piper_jax.directives.coverage import check_schedule_coverage
 from piper_jax.directives.gradients import insert_updates
@@ -62,13 +63,19 @@ def apply_directives(
     directives: Sequence[object],
     num_devices: int,
     global_norm: bool = False,
+    forward_only: bool = False,
 ) -> TrainingDAG:
     """The DAG after every directive; the DAG is checked after each step.
 
     Args:
       global_norm: add the `gnorm` ALL_REDUCE (clip by global norm, non-finite guard).
+      forward_only: `dag` has forward passes only (evaluation): no backward split, no
+        optimizer side, and orders keep their forward passes.
     """
     directives = check_directives(directives)
+    if forward_only:
+        directives = [forward_part(d) if isinstance(d, Order) else d for d in directives]
+        directives = [d for d in directives if d is not None]
     splits = [d for d in directives if isinstance(d, Split)]
     dag = apply_split(dag, splits[0]) if splits else split_all(dag, 1)
     for i, d in enumerate(directives):
@@ -83,11 +90,22 @@ def apply_directives(
         if isinstance(d, Replicate):
             dag = apply_replicate(dag, d, num_devices)
     dag = check_placement(dag, any(isinstance(d, (Place, Replicate)) for d in directives))
-    dag = insert_updates(dag, lifted, global_norm)
+    if forward_only:
+        zero.insert_gathers(dag, lifted)
+    else:
+        dag = insert_updates(dag, lifted, global_norm)
     dag = insert_transfers(dag)
     for i, d in enumerate(directives):
         if isinstance(d, Order):
             dag = apply_order(dag, d, i)
-    check_schedule_coverage(dag, directives)
+    if not forward_only:
+        check_schedule_coverage(dag, directives)
     dag.check_acyclic("the directives")
     return dag
+
+
+def forward_part(order: Order) -> Order | None:
+    """`order` with its backward passes left out (None if nothing is left)."""
+    groups = [[f for f in group if f.get("PASS", "F") == "F"] for group in order.filters]
+    groups = [g for g in groups if g]
+    return Order(groups) if groups else None

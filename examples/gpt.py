@@ -29,6 +29,7 @@ class GPTConfig:
     n_heads: int = 4
     n_layers: int = 4
     num_stages: int = 2
+    dropout: float = 0.0  # on each residual branch; drawn per step, microbatch and replica
 
     def __post_init__(self) -> None:
         if self.num_stages < 1 or self.n_layers % self.num_stages != 0:
@@ -75,10 +76,14 @@ class Block(nnx.Module):
         self.ln2 = nnx.LayerNorm(d, rngs=rngs)
         self.fc = _linear(d, 4 * d, rngs)
         self.proj = _linear(4 * d, d, rngs)
+        self.drop = nnx.Dropout(config.dropout, rngs=rngs) if config.dropout else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attn(self.ln1(x))
-        return x + self.proj(jax.nn.gelu(self.fc(self.ln2(x))))
+        x = x + self._dropped(self.attn(self.ln1(x)))
+        return x + self._dropped(self.proj(jax.nn.gelu(self.fc(self.ln2(x)))))
+
+    def _dropped(self, x: jax.Array) -> jax.Array:
+        return x if self.drop is None else self.drop(x)
 
 
 class GPT(nnx.Module):

@@ -13,14 +13,20 @@ from piper_jax.ir.layout import DeviceMesh
 from piper_jax.ir.lift import LiftedLoss
 
 
-def build_dag(lifted: LiftedLoss) -> TrainingDAG:
-    """One F and one B node per region, with the data edges between them."""
+def build_dag(lifted: LiftedLoss, forward_only: bool = False) -> TrainingDAG:
+    """One F and (unless `forward_only`, for evaluation) one B node per region, with the
+    data edges between them."""
     dag = TrainingDAG()
     fwd, bwd = {}, {}
     for region in lifted.regions:
         fwd[region.index] = dag.add(
             Node(dag.new_uid(), NodeKind.COMPUTE, region.index, region.key, pass_="F")
         )
+    if forward_only:
+        for region in lifted.regions:
+            for ref in region.act_inputs:
+                dag.connect(fwd[ref.region].uid, fwd[region.index].uid)
+        return dag
     for region in reversed(lifted.regions):
         bwd[region.index] = dag.add(
             Node(dag.new_uid(), NodeKind.COMPUTE, region.index, region.key, pass_="B")

@@ -77,10 +77,14 @@ def run_piece(rt: Runtime, g: Group, ins: Instruction) -> Piece:
 
         def forward(env: Env) -> Env:
             batch = [env[batch_buf][i] for i in region.batch_ids] if region.batch_ids else []
-            outs, kept = programs.forward(params(env), batch, [env[b][k] for b, k in acts])
-            out = {writes[0]: outs, writes[1]: kept}
-            if len(writes) > 2:  # the loss of this microbatch, stacked over replicas
-                out[writes[2]] = outs[region.loss_position]
+            inputs = (params(env), batch, [env[b][k] for b, k in acts])
+            if rt.ctx.forward_only:
+                out = {writes[0]: programs.evaluate(*inputs)}
+            else:
+                outs, kept = programs.forward(*inputs)
+                out = {writes[0]: outs, writes[1]: kept}
+            if writes[-1].kind is bf.Kind.LOSS:  # this microbatch's loss, stacked over replicas
+                out[writes[-1]] = out[writes[0]][region.loss_position]
             return out
 
         return Piece(access, forward)

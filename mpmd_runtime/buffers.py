@@ -128,6 +128,7 @@ class PlanContext:
         update reads instead of its own accumulator.
       update_groups: the device group of every UPD, by region.
       global_norm: the updates read `gnorm`.
+      forward_only: evaluation: F keeps no residuals.
     """
 
     lifted: LiftedLoss
@@ -138,6 +139,7 @@ class PlanContext:
     reduced_by: Mapping[Group, Mapping[int, str]]
     update_groups: Mapping[int, Group]
     global_norm: bool
+    forward_only: bool = False
 
     def names(self, params: Sequence[int]) -> list[str]:
         return [self.lifted.param_names[p] for p in params]
@@ -218,7 +220,7 @@ def _run_access(label: Label, group: Group, ctx: PlanContext) -> Access:
         if region.batch_ids:
             reads.append(batch(mb))
         reads += list(dict.fromkeys(value(f"F{a.region}.{mb}") for a in region.act_inputs))
-        writes = [value(label), residuals(r, mb)]
+        writes = [value(label)] if ctx.forward_only else [value(label), residuals(r, mb)]
         if r == ctx.lifted.loss_region:
             writes.append(loss(mb))
         return Access(reads=tuple(reads), writes=tuple(writes))

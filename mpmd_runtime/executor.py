@@ -34,6 +34,7 @@ from piper_jax.mpmd_runtime.transport import Aval, host_to_group, is_local
 from piper_jax.mpmd_runtime.updates import ParamTree, UpdateProgram
 from piper_jax.mpmd_runtime.watchdog import FailureReport, StepWatchdog
 
+
 Group = tuple[int, ...]
 Closure = Callable[[], Any]
 
@@ -52,6 +53,7 @@ class Runtime:
         param_tree: ParamTree,
         num_microbatches: int,
         carrier: bool,
+        stores: dict[Group, dict[bf.Buffer, Any]] | None = None,
     ):
         self.plans, self.lifts, self.optimizer = plans, dict(lifts), optimizer
         self.param_avals, self.param_tree, self.carrier = dict(param_avals), param_tree, carrier
@@ -63,7 +65,7 @@ class Runtime:
         self.local = {
             g for g in self.groups if any(is_local(d) for d in self.meshes[g].devices.flat)
         }
-        self.stores: dict[Group, dict[bf.Buffer, Any]] = {g: {} for g in self.groups}
+        self.stores: dict[Group, dict[bf.Buffer, Any]] = stores or {g: {} for g in self.groups}
         self.mailbox: dict[tuple[str, Group], Any] = {}
         self._programs: dict[tuple[int, Group], pg.RegionPrograms] = {}
         self._updates: dict[tuple[int, Group], UpdateProgram] = {}
@@ -132,7 +134,14 @@ class Executor:
         param_tree: ParamTree,
         num_microbatches: int,
         carrier: bool = False,
+        random_leaf: int | None = None,
+        state_of: Executor | None = None,
     ):
+        """`random_leaf`: the batch leaf the executor fills with each microbatch's and
+        replica's random counter (step, microbatch, replica) instead of reading it from
+        the batch (Note [random keys of a step] in piper_jax/rng.py). `state_of`: run on
+        the parameters of another executor of the same groups (the forward-only plans of
+        `TrainStep.evaluate`) instead of holding its own."""
         lifted = next(iter(lifts.values()))
         self.param_avals = {
             name: (tuple(np.shape(v)), np.asarray(v).dtype)
@@ -147,13 +156,16 @@ class Executor:
             param_tree,
             num_microbatches,
             carrier,
+            stores=None if state_of is None else state_of.rt.stores,
         )
         self.plans, self.lifted, self.devices = plans, lifted, list(devices)
-        state.init_state(rt, dict(zip(lifted.param_names, init_params)))
+        if state_of is None:
+            state.init_state(rt, dict(zip(lifted.param_names, init_params)))
         self.batch_leaves = {
             g: sorted({b for r in rt.regions_on(g) for b in rt.lifts[g].regions[r].batch_ids})
             for g in rt.local
         }
+        self.random_leaf, self.steps_done = random_leaf, 0
         self.losses: list[jax.Array] = []
         self.grad_norm: jax.Array | None = None
         self._unit_programs: dict[tuple, Callable] = {}
@@ -345,16 +357,24 @@ class Executor:
             ) from err
 
     def _stage_batch(self, leaves: Sequence[np.ndarray]) -> None:
+        """Every local group's batch leaves, per microbatch, stacked over its replicas;
+        counts the step (the random counter's first entry)."""
         m = self.rt.num_microbatches
         for g in self.rt.local:
             mesh = self.rt.meshes[g]
             sharding, width = pg.stacked(mesh), mesh.size
             needed = self.batch_leaves[g]
-            split = {i: leaves[i].reshape((m, width, -1) + leaves[i].shape[1:]) for i in needed}
+            split = {
+                i: random_counters(self.steps_done, m, width)
+                if i == self.random_leaf
+                else leaves[i].reshape((m, width, -1) + leaves[i].shape[1:])
+                for i in needed
+            }
             for mb in range(m):
                 self.rt.stores[g][bf.batch(mb)] = {
                     i: host_to_group(split[i][mb], sharding) for i in needed
                 }
+        self.steps_done += 1
 
     def run_recorded(self, batch_leaves: Sequence[np.ndarray]) -> list[TimelineEvent]:
         """Run one step step by step, waiting for each to finish, and return when each
@@ -438,3 +458,13 @@ def _signature(g: Group, step: Step, *buffers: list[bf.Buffer]) -> tuple:
         tuple(canonical(str(i)) for i in step.instructions),
         *(tuple(canonical(str(b)) for b in group) for group in buffers),
     )
+
+
+def random_counters(step: int, num_microbatches: int, width: int) -> np.ndarray:
+    """(microbatches, replicas, 3) random counters (step, microbatch, replica) of one step
+    on a group of `width` replicas (Note [random keys of a step] in piper_jax/rng.py)."""
+    out = np.zeros((num_microbatches, width, 3), np.uint32)
+    out[..., 0] = step
+    out[..., 1] = np.arange(num_microbatches)[:, None]
+    out[..., 2] = np.arange(width)[None, :]
+    return out

@@ -62,6 +62,7 @@ class Plans:
         (`grad[0,2]`, buckets `grad[0,2]/1`) and bucketed reduce-scatter.
       recompute: regions whose forward runs again inside the backward.
       global_norm: the updates read the global gradient norm (`gnorm`).
+      forward_only: evaluation plans: forward passes only, keeping no residuals.
       order: every step once, as (groups, step indices) events in the order a single
         controller issues them; a cross-group collective is one event for all its groups.
       rounds: the round of each step in a unit-cost replay (the rows of `grid()`).
@@ -73,6 +74,7 @@ class Plans:
     param_sets: dict[str, tuple[int, ...]]
     recompute: frozenset[int]
     global_norm: bool
+    forward_only: bool
     order: list[Event]
     rounds: dict[Group, list[int]]
 
@@ -107,6 +109,7 @@ class Plans:
             reduced_by=reduced_by,
             update_groups=update_groups,
             global_norm=self.global_norm,
+            forward_only=self.forward_only,
         )
 
     def to_text(self) -> str:
@@ -119,6 +122,8 @@ class Plans:
             lines.append("recompute " + " ".join(str(r) for r in sorted(self.recompute)))
         if self.global_norm:
             lines.append("global_norm")
+        if self.forward_only:
+            lines.append("forward_only")
         for name in sorted(self.param_sets, key=_param_set_key):
             lines.append(f"params {name} = " + " ".join(map(str, self.param_sets[name])))
         for g in sorted(self.steps):
@@ -134,7 +139,7 @@ class Plans:
         steps: dict[Group, list[Step]] = {}
         param_sets: dict[str, tuple[int, ...]] = {}
         recompute: frozenset[int] = frozenset()
-        global_norm = False
+        global_norm = forward_only = False
         current: list[Step] | None = None
         lines = text.splitlines()
         if not lines or lines[0] != HEADER:
@@ -155,6 +160,8 @@ class Plans:
                     recompute = frozenset(int(r) for r in rest.split())
                 elif word == "global_norm":
                     global_norm = True
+                elif word == "forward_only":
+                    forward_only = True
                 elif word == "params":
                     name, _, ids = rest.partition(" = ")
                     param_sets[name] = tuple(int(p) for p in ids.split())
@@ -164,7 +171,9 @@ class Plans:
                     raise ValueError(f"unknown line {line!r}")
             except (ValueError, AssertionError) as err:
                 raise PlanError(f"plan text line {n}: {err}") from None
-        return finish_plans(meshes, zero_level, steps, param_sets, recompute, global_norm)
+        return finish_plans(
+            meshes, zero_level, steps, param_sets, recompute, global_norm, forward_only
+        )
 
     def fingerprint(self, extra: str = "") -> str:
         """A digest of the plans (and `extra`, e.g. shapes); processes compare it to prove
@@ -202,6 +211,7 @@ def finish_plans(
     param_sets: Mapping[str, tuple[int, ...]],
     recompute: frozenset[int],
     global_norm: bool,
+    forward_only: bool,
 ) -> Plans:
     """Plans with their global order and rounds from a dry run (PlanError if stuck)."""
     order, rounds = dry_run(steps)
@@ -212,6 +222,7 @@ def finish_plans(
         dict(param_sets),
         recompute,
         global_norm,
+        forward_only,
         order,
         rounds,
     )
@@ -229,9 +240,10 @@ def compile_plans(dag: TrainingDAG, lifted: LiftedLoss, fuse_collectives: bool =
     param_sets = _param_sets(dag)
     recompute = frozenset(n.region for n in dag.compute_nodes() if n.recompute)
     global_norm = any(n.value == GNORM for n in dag.of_kind(NodeKind.ALL_REDUCE))
-    draft = Plans(meshes, zero_level, steps, param_sets, recompute, global_norm, [], {})
-    steps = insert_frees(steps, draft.context(lifted))
-    return finish_plans(meshes, zero_level, steps, param_sets, recompute, global_norm)
+    forward_only = not any(n.pass_ != "F" for n in dag.compute_nodes())
+    flags = (param_sets, recompute, global_norm, forward_only)
+    steps = insert_frees(steps, Plans(meshes, zero_level, steps, *flags, [], {}).context(lifted))
+    return finish_plans(meshes, zero_level, steps, *flags)
 
 
 def _param_sets(dag: TrainingDAG) -> dict[str, tuple[int, ...]]:

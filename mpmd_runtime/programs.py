@@ -81,6 +81,7 @@ class RegionPrograms:
     none (ZeRO), returns them for the reduce-scatter.
 
       forward(params, batch, acts)                  -> (outputs, residuals)
+      evaluate(params, batch, acts)                 -> outputs
       backward(params, residuals, cots[, acc])      -> (input cotangents, acc or grads)
       backward_input(params, residuals, cots)       -> (input cotangents, cross values)
       backward_weight(params, residuals, cross[, acc]) -> acc or grads
@@ -104,6 +105,7 @@ class RegionPrograms:
         self._treedef, self._slots, self._num_leaves = self._residual_structure()
         rep, per = P(), P(AXIS)
         self.forward = spmd(self._forward, mesh, (rep, per, per), (per, per))
+        self.evaluate = spmd(self._evaluate, mesh, (rep, per, per), per)
         self.backward = {
             acc: spmd(self._backward, mesh, (rep, per, per) + ((per,) if acc else ()), (per, per))
             for acc in (True, False)
@@ -187,6 +189,9 @@ class RegionPrograms:
             return stack(self.region.fn(params, batch, acts)), stack((batch, acts))
         outs, vjp = self._linearize(params, batch, acts)
         return stack(outs), stack(self._kept(vjp))
+
+    def _evaluate(self, params: list, batch: list, acts: list) -> list:
+        return stack(self.region.fn(params, unstack(batch), unstack(acts)))
 
     def _vjp(self, params: list, res: Any) -> Any:
         if self.recompute:

@@ -38,6 +38,7 @@ from piper_jax.mpmd_runtime.simulator import Simulation, simulate
 from piper_jax.mpmd_runtime.timeline import write_timeline
 from piper_jax.optimizer_check import plan_optimizer
 from piper_jax.param_tree import ParamTree, leaf_name
+from piper_jax.rng import COUNTER_AVAL, COUNTER_NAME, RandomState
 from piper_jax.validation import check_model_args
 
 Group = tuple[int, ...]
@@ -51,13 +52,16 @@ def _leaves(tree: Any) -> tuple[list[str], list[Any], Any]:
 
 @dataclasses.dataclass(frozen=True)
 class BatchSpec:
-    """The global batch a step was compiled for."""
+    """The global batch a step was compiled for (`random`: the model draws random
+    numbers, so the lifted loss takes one more batch leaf, the counter of Note [random
+    keys of a step])."""
 
     treedef: Any
     names: list[str]
     avals: list[tuple[tuple[int, ...], Any]]
     size: int
     num_microbatches: int
+    random: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +74,8 @@ class Lowered:
       lifted: the regions of the loss (traced at the first group's batch shape).
       lifts: the regions traced at each group's per-replica batch shape.
       carrier: the updates need the global-norm carrier (clip by global norm).
+      evaluation: lowers the same strategy with forward passes only and the model in
+        eval mode (`model.eval()`: no dropout), for `TrainStep.evaluate`.
     """
 
     dag: TrainingDAG
@@ -81,6 +87,7 @@ class Lowered:
     model_parts: tuple
     param_tree: ParamTree
     param_leaves: list[Any]
+    evaluation: Callable[[], Lowered]
 
     def simulate(
         self, costs: Mapping[str, float] | None = None, transfer_latency: float = 0.0
@@ -124,6 +131,7 @@ def lower(
     *,
     nonfinite: str = "raise",
     fuse_collectives: bool = True,
+    forward_only: bool = False,
 ) -> Lowered:
     """The DAG and per-device-group plans of a strategy, without devices or programs.
 
@@ -134,6 +142,7 @@ def lower(
         "ignore" leaves it out.
       fuse_collectives: run each ZeRO collective inside the program of the pass it serves
         (one step `ALL_GATHER param[F0.3] + F0.3`); False keeps them as steps of their own.
+      forward_only: lower the forward passes only (evaluation: no backward, no update).
 
     Returns:
       A Lowered: .dag, .plans, .explain(), .simulate(costs), .timeline(path).
@@ -144,7 +153,8 @@ def lower(
     num_devices = jax.device_count() if num_devices is None else num_devices
     directives = check_directives(directives)
     m = num_microbatches(directives)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, random_state, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
+    random = RandomState(random_state)
     param_names, param_leaves, param_treedef = _leaves(params)
     batch_names, batch_leaves, batch_treedef = _leaves(example_batch)
     size = check_batch_size(batch_leaves, batch_names, m, "example_batch", "num_microbatches")
@@ -154,12 +164,16 @@ def lower(
         [(np.shape(x), np.asarray(x).dtype) for x in batch_leaves],
         size,
         m,
+        bool(random),
     )
 
     def flat_loss(p_leaves: list, b_leaves: list) -> jax.Array:
+        """The loss of flat parameter and batch leaves; with random state, the batch ends
+        with its counter (Note [random keys of a step])."""
         p = jax.tree_util.tree_unflatten(param_treedef, p_leaves)
+        rngs = random.state(b_leaves.pop()) if random else random_state
         b = jax.tree_util.tree_unflatten(batch_treedef, b_leaves)
-        return loss_fn(nnx.merge(graphdef, p, rest), b)
+        return loss_fn(nnx.merge(graphdef, p, rngs, rest), b)
 
     @_cached_by_width
     def lift_at(width: int) -> LiftedLoss:
@@ -169,8 +183,15 @@ def lower(
     if size % (m * first_width):
         first_width = 1
     lifted = lift_at(first_width)
-    guard = nonfinite != "ignore"
-    dag = apply_directives(build_dag(lifted), lifted, directives, num_devices, global_norm=guard)
+    guard = nonfinite != "ignore" and not forward_only
+    dag = apply_directives(
+        build_dag(lifted, forward_only),
+        lifted,
+        directives,
+        num_devices,
+        global_norm=guard,
+        forward_only=forward_only,
+    )
     tree = ParamTree(params)
     upds = list(dag.of_kind(NodeKind.UPD))
     carrier = plan_optimizer(
@@ -180,11 +201,26 @@ def lower(
         [[param_names[p] for p in n.params] for n in upds],
         any(n.param_layout.zero_level for n in upds),
     )
-    if carrier and not guard:
+    if carrier and not guard and not forward_only:
         dag = insert_updates(dag, lifted, global_norm=True)
     plans = compile_plans(dag, lifted, fuse_collectives)
     lifts = {g: lift_at(_width(plans, g, size, m)) for g in plans.steps}
     _check_transfers(plans, lifts)
+
+    def evaluation() -> Lowered:
+        evaluated = nnx.merge(graphdef, params, random_state, rest)
+        evaluated.eval()
+        return lower(
+            loss_fn,
+            evaluated,
+            optimizer,
+            example_batch,
+            directives,
+            num_devices,
+            fuse_collectives=fuse_collectives,
+            forward_only=True,
+        )
+
     return Lowered(
         dag,
         plans,
@@ -192,9 +228,10 @@ def lower(
         lifts,
         carrier,
         batch,
-        (graphdef, param_treedef, rest),
+        (graphdef, param_treedef, random_state, rest),
         tree,
         param_leaves,
+        evaluation,
     )
 
 
@@ -215,20 +252,26 @@ def _lift(
     flat_loss: Callable, param_leaves: list, param_names: list[str], batch: BatchSpec, width: int
 ) -> LiftedLoss:
     local = batch.size // (batch.num_microbatches * width)
+    avals = [((local,) + tuple(s[1:]), d) for s, d in batch.avals]
+    names = list(batch.names)
+    if batch.random:
+        avals.append(COUNTER_AVAL)
+        names.append(COUNTER_NAME)
     reset_annotation_counters()
     try:
         return lift(
             flat_loss,
             [jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype) for x in param_leaves],
-            [jax.ShapeDtypeStruct((local,) + tuple(s[1:]), d) for s, d in batch.avals],
+            [jax.ShapeDtypeStruct(s, d) for s, d in avals],
             param_names,
-            batch.names,
+            names,
         )
     except flax.errors.TraceContextError as err:
         raise AnnotationError(
-            "the model changes state other than its nnx.Param while computing the loss "
-            "(dropout RNG counters, BatchNorm statistics, ...): not supported yet; make the "
-            f"model deterministic for training with piper-jax ({err.__class__.__name__})"
+            "the model changes state other than its nnx.Param and random streams while "
+            "computing the loss (BatchNorm statistics, counters it keeps itself, ...): not "
+            "supported yet; keep such state out of the training step, e.g. use "
+            f"LayerNorm instead of BatchNorm ({err.__class__.__name__})"
         ) from err
 
 

@@ -103,24 +103,31 @@ def compile(
         lowered.param_tree,
         lowered.batch.num_microbatches,
         lowered.carrier,
+        random_leaf=len(lowered.batch.names) if lowered.batch.random else None,
     )
     if timeout_s is None:
         timeout_s = float(os.environ.get("PIPER_STEP_TIMEOUT", DEFAULT_STEP_TIMEOUT_S))
-    return TrainStep(lowered, executor, timeout_s, nonfinite)
+    return TrainStep(lowered, executor, timeout_s, nonfinite, devices)
 
 
 class TrainStep:
     """A compiled training step: call it with a global batch; inspect dag, plans, explain()."""
 
     def __init__(
-        self, lowered: Lowered, executor: Executor, timeout_s: float, nonfinite: str = "raise"
+        self,
+        lowered: Lowered,
+        executor: Executor,
+        timeout_s: float,
+        nonfinite: str = "raise",
+        devices: Sequence[jax.Device] | None = None,
     ):
-        self.lowered = lowered
+        self.lowered, self.devices = lowered, devices or jax.devices()
+        self._evaluator: Executor | None = None
         self.dag, self.plans, self.lifted = lowered.dag, lowered.plans, lowered.lifted
         self.timeout_s, self.nonfinite = timeout_s, nonfinite
         self.steps_run = 0
         self._executor = executor
-        self._graphdef, self._param_treedef, self._rest = lowered.model_parts
+        self._graphdef, self._param_treedef, self._random, self._rest = lowered.model_parts
 
     def __call__(self, batch: Any) -> dict[str, float]:
         metrics = self._executor.step(self._batch_leaves(batch), self.timeout_s)
@@ -138,6 +145,25 @@ class TrainStep:
             warnings.warn(message, RuntimeWarning, stacklevel=2)
             metrics["skipped"] = 1.0
         return metrics
+
+    def evaluate(self, batch: Any) -> dict[str, float]:
+        """The loss of the current parameters on `batch`, with the model in eval mode (no
+        dropout), under the same placement: forward passes only (pipelined across stages
+        where the directives place them so), nothing updated. Compiled on first use."""
+        if self._evaluator is None:
+            lowered = self.lowered.evaluation()
+            self._evaluator = Executor(
+                lowered.plans,
+                lowered.lifts,
+                optax.identity(),
+                self.devices,
+                lowered.param_leaves,
+                lowered.param_tree,
+                lowered.batch.num_microbatches,
+                random_leaf=len(lowered.batch.names) if lowered.batch.random else None,
+                state_of=self._executor,
+            )
+        return self._evaluator.step(self._batch_leaves(batch), self.timeout_s)
 
     def _batch_leaves(self, batch: Any) -> list[np.ndarray]:
         spec = self.lowered.batch
@@ -173,7 +199,7 @@ class TrainStep:
 
     def model(self) -> nnx.Module:
         """An nnx model holding the current parameters."""
-        return nnx.merge(self._graphdef, self.params(), self._rest)
+        return nnx.merge(self._graphdef, self.params(), self._random, self._rest)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write parameters and optimizer state as an orbax checkpoint in the new directory

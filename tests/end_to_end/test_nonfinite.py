@@ -16,9 +16,11 @@ from piper_jax import schedules
 OPT = optax.adam(1e-2)
 
 STRATEGIES = {
-    "pp2_1f1b": lambda: [piper.split({"PP": "*"}, num_microbatches=2)]
-    + [piper.place({"PP": s}, [s]) for s in range(2)]
-    + schedules.one_f_one_b(2, 2),
+    "pp2_1f1b": lambda: (
+        [piper.split({"PP": "*"}, num_microbatches=2)]
+        + [piper.place({"PP": s}, [s]) for s in range(2)]
+        + schedules.one_f_one_b(2, 2)
+    ),
     "zero3_dp2": lambda: [piper.replicate({"PP": "*"}, [0, 1], shard_params=True)],
 }
 
