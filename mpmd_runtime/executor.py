@@ -34,7 +34,6 @@ from piper_jax.mpmd_runtime.transport import Aval, host_to_group, is_local
 from piper_jax.mpmd_runtime.updates import ParamTree, UpdateProgram
 from piper_jax.mpmd_runtime.watchdog import FailureReport, StepWatchdog
 
-
 Group = tuple[int, ...]
 Closure = Callable[[], Any]
 
