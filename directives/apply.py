@@ -10,10 +10,10 @@ from piper_jax.directives import zero
 from piper_jax.directives.backward_split import backwards_to_split, split_backward_nodes
 from piper_jax.directives.coverage import check_schedule_coverage
 from piper_jax.directives.gradients import insert_updates
-from piper_jax.directives.order import apply_order
-from piper_jax.directives.place import apply_place, check_placement
+from piper_jax.directives.order import apply_orders
+from piper_jax.directives.place import apply_places, check_placement
 from piper_jax.directives.recompute import apply_recompute
-from piper_jax.directives.replicate import apply_replicate
+from piper_jax.directives.replicate import apply_replicates
 from piper_jax.directives.split import apply_split, split_all
 from piper_jax.directives.transfers import insert_transfers
 from piper_jax.directives.types import (
@@ -83,21 +83,15 @@ def apply_directives(
             dag = apply_recompute(dag, d, i)
     orders = [d for d in directives if isinstance(d, Order)]
     dag = split_backward_nodes(dag, backwards_to_split(dag, orders))
-    for d in directives:
-        if isinstance(d, Place):
-            dag = apply_place(dag, d, num_devices)
-    for d in directives:
-        if isinstance(d, Replicate):
-            dag = apply_replicate(dag, d, num_devices)
+    dag = apply_places(dag, [d for d in directives if isinstance(d, Place)], num_devices)
+    dag = apply_replicates(dag, [d for d in directives if isinstance(d, Replicate)], num_devices)
     dag = check_placement(dag, any(isinstance(d, (Place, Replicate)) for d in directives))
     if forward_only:
         zero.insert_gathers(dag, lifted)
     else:
         dag = insert_updates(dag, lifted, global_norm)
     dag = insert_transfers(dag)
-    for i, d in enumerate(directives):
-        if isinstance(d, Order):
-            dag = apply_order(dag, d, i)
+    dag = apply_orders(dag, [(i, d) for i, d in enumerate(directives) if isinstance(d, Order)])
     if not forward_only:
         check_schedule_coverage(dag, directives)
     dag.check_acyclic("the directives")

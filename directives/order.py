@@ -10,21 +10,50 @@ keep their data order inside the group.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
-from piper_jax.directives.filters import filter_str, select
+from piper_jax.directives.filters import NodeIndex, filter_str
 from piper_jax.directives.types import Order
 from piper_jax.ir.dag import EdgeKind, TrainingDAG
 from piper_jax.ir.errors import DirectiveError
 
 
-def apply_order(dag: TrainingDAG, directive: Order, index: int) -> TrainingDAG:
-    where = f"directive {index} (order)"
+def apply_orders(dag: TrainingDAG, orders: Sequence[tuple[int, Order]]) -> TrainingDAG:
+    """Every (directive index, order) in turn on one copy of `dag`; a cycle is refused
+    naming the first order that closes it."""
     dag = dag.copy()
-    compute = list(dag.compute_nodes())
+    index = NodeIndex(dag.compute_nodes())
+    overlap = 1 + max((n.overlap or 0 for n in dag.nodes.values()), default=0)
+    for i, directive in orders:
+        overlap = apply_order(dag, directive, i, index, overlap)
+    if dag.find_cycle():
+        _refuse_cycle(dag, orders)
+    return dag
+
+
+def _refuse_cycle(dag: TrainingDAG, orders: Sequence[tuple[int, Order]]) -> None:
+    """Find the order directive whose edges close a cycle (only on this error path)."""
+    base = dag.copy()
+    for e in dag.edges:
+        if e.kind is EdgeKind.TEMPORAL:
+            base.disconnect(e)
+    base.check_acyclic("the directives before the orders")
+    index, overlap = NodeIndex(base.compute_nodes()), 1
+    for i, directive in orders:
+        overlap = apply_order(base, directive, i, index, overlap)
+        base.check_acyclic(f"directive {i} (order)")
+
+
+def apply_order(
+    dag: TrainingDAG, directive: Order, index: int, by_tags: NodeIndex, next_overlap: int
+) -> int:
+    """One order's temporal edges and overlap ids (from `next_overlap` on), added to `dag`
+    in place; returns the next free overlap id."""
+    where = f"directive {index} (order)"
     groups = []
     overlapping = []
     for g, filters in enumerate(directive.filters):
-        per_filter = [select(compute, f) for f in filters]
+        per_filter = [by_tags.select(f) for f in filters]
         nodes = {n.uid: n for matched in per_filter for n in matched}
         if not nodes:
             names = ", ".join(filter_str(f) for f in filters)
@@ -38,7 +67,6 @@ def apply_order(dag: TrainingDAG, directive: Order, index: int) -> TrainingDAG:
             f"{where} orders {na} on {list(a)} with {nb} on {list(b)}: an order runs on one "
             "device group; write one order directive per device group"
         )
-    next_overlap = 1 + max((n.overlap or 0 for n in dag.nodes.values()), default=0)
     for g, (nodes, overlap) in enumerate(zip(groups, overlapping)):
         if not overlap:
             continue
@@ -53,8 +81,7 @@ def apply_order(dag: TrainingDAG, directive: Order, index: int) -> TrainingDAG:
             for b in after:
                 if a != b:
                     dag.connect(a, b, EdgeKind.TEMPORAL)
-    dag.check_acyclic(where)
-    return dag
+    return next_overlap
 
 
 def _check_no_detour(dag: TrainingDAG, nodes: dict, where: str) -> None:

@@ -10,8 +10,9 @@ next (Note [device groups as named meshes]).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
-from piper_jax.directives.filters import filter_str, select
+from piper_jax.directives.filters import NodeIndex, filter_str
 from piper_jax.directives.types import Place, Replicate
 from piper_jax.ir.dag import Node, TrainingDAG
 from piper_jax.ir.errors import DirectiveError
@@ -27,10 +28,13 @@ def check_range(devices: tuple[int, ...], num_devices: int, where: str) -> None:
         )
 
 
-def matched_nodes(dag: TrainingDAG, directive: Place | Replicate, where: str) -> list[Node]:
-    nodes = select(dag.compute_nodes(), directive.filter)
+def matched_nodes(
+    dag: TrainingDAG, index: NodeIndex, directive: Place | Replicate, where: str
+) -> list[Node]:
+    """The compute nodes `directive` names, as they are in `dag` now."""
+    nodes = [dag.nodes[n.uid] for n in index.select(directive.filter)]
     if not nodes:
-        regions = sorted({str(dict(n.region_tags)) for n in dag.compute_nodes()})
+        regions = sorted({str(dict(n.region_tags)) for n in index.nodes})
         raise DirectiveError(
             f"{where} {filter_str(directive.filter)}: filter matches no region; the regions "
             f"are {', '.join(regions)}"
@@ -38,10 +42,18 @@ def matched_nodes(dag: TrainingDAG, directive: Place | Replicate, where: str) ->
     return nodes
 
 
-def apply_place(dag: TrainingDAG, directive: Place, num_devices: int) -> TrainingDAG:
-    check_range(directive.devices, num_devices, "place")
+def apply_places(dag: TrainingDAG, directives: Sequence[Place], num_devices: int) -> TrainingDAG:
+    """Every `place`, in turn, on one copy of `dag`."""
     dag = dag.copy()
-    for node in matched_nodes(dag, directive, "place"):
+    index = NodeIndex(dag.compute_nodes())
+    for directive in directives:
+        apply_place(dag, index, directive, num_devices)
+    return dag
+
+
+def apply_place(dag: TrainingDAG, index: NodeIndex, directive: Place, num_devices: int) -> None:
+    check_range(directive.devices, num_devices, "place")
+    for node in matched_nodes(dag, index, directive, "place"):
         if node.mesh is not None and node.devices != directive.devices:
             raise DirectiveError(
                 f"place {filter_str(directive.filter)}: {node} is already placed on "
@@ -50,7 +62,6 @@ def apply_place(dag: TrainingDAG, directive: Place, num_devices: int) -> Trainin
         dag.replace(
             dataclasses.replace(node, mesh=DeviceMesh(directive.devices), stream=directive.stream)
         )
-    return dag
 
 
 def check_placement(dag: TrainingDAG, placed: bool) -> TrainingDAG:

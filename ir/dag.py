@@ -130,7 +130,9 @@ class TrainingDAG:
     """
 
     def __init__(self, nodes: Iterable[Node] = (), edges: Iterable[Edge] = ()):
-        self.nodes: dict[int, Node] = {n.uid: n for n in nodes}
+        # kept in uid order (nodes are only ever added with growing uids), which the
+        # passes rely on to visit nodes deterministically without sorting
+        self.nodes: dict[int, Node] = {n.uid: n for n in sorted(nodes, key=lambda n: n.uid)}
         self._out: dict[int, dict[Edge, None]] = {u: {} for u in self.nodes}
         self._in: dict[int, dict[Edge, None]] = {u: {} for u in self.nodes}
         self._next_uid = max(self.nodes, default=-1) + 1
@@ -164,7 +166,7 @@ class TrainingDAG:
         return self._next_uid
 
     def add(self, node: Node) -> Node:
-        assert node.uid not in self.nodes, node
+        assert node.uid >= self._next_uid, (node, self._next_uid)
         self.nodes[node.uid] = node
         self._out[node.uid] = {}
         self._in[node.uid] = {}
@@ -191,7 +193,7 @@ class TrainingDAG:
         del self.nodes[uid], self._out[uid], self._in[uid]
 
     def of_kind(self, *kinds: NodeKind) -> Iterator[Node]:
-        return (n for _, n in sorted(self.nodes.items()) if n.kind in kinds)
+        return (n for n in self.nodes.values() if n.kind in kinds)
 
     def compute_nodes(self) -> Iterator[Node]:
         return self.of_kind(NodeKind.COMPUTE)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 
 from piper_jax.ir.errors import DirectiveError
@@ -34,7 +35,12 @@ DP = "dp"
 
 def group_str(devices: tuple[int, ...] | list[int]) -> str:
     """A device group as written in plans: d0, d0,2."""
-    return "d" + ",".join(str(d) for d in devices)
+    return _group_str(tuple(devices))
+
+
+@functools.lru_cache(maxsize=65536)
+def _group_str(devices: tuple[int, ...]) -> str:
+    return "d" + ",".join(map(str, devices))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,6 +39,7 @@ from piper_jax.mpmd_runtime.instructions import (
 from piper_jax.mpmd_runtime.replay import Event, dry_run, format_grid
 from piper_jax.mpmd_runtime.scheduler import (
     attach_collectives,
+    attached,
     compute_groups,
     schedule_nodes,
     sink_receives,
@@ -233,7 +234,10 @@ def compile_plans(dag: TrainingDAG, lifted: LiftedLoss, fuse_collectives: bool =
     groups = compute_groups(dag)
     keys = unit_keys(dag, fuse_collectives)
     order = schedule_nodes(dag, groups)
-    order = {g: sink_receives(dag, attach_collectives(dag, order[g], g), keys) for g in groups}
+    serves = attached(dag)
+    order = {
+        g: sink_receives(dag, attach_collectives(dag, order[g], g, serves), keys) for g in groups
+    }
     meshes = {n.devices: n.mesh for n in dag.compute_nodes()}
     zero_level = {n.devices: n.param_layout.zero_level for n in dag.compute_nodes()}
     steps = {g: to_steps(dag, order[g], keys, g) for g in groups}

@@ -19,6 +19,7 @@ If no group can start its next step while some remain, the plans deadlock.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 
@@ -44,8 +45,15 @@ def members_of(step: Step, group: Group, groups: Sequence[Group]) -> list[Group]
     """The groups that run `step` together: several for a cross-group collective."""
     head = step.head
     if head.op == ALL_REDUCE and tuple(head.peer) != group:
-        return [g for g in groups if set(g) <= set(head.peer)]
+        return groups_within(tuple(head.peer), tuple(groups))
     return [group]
+
+
+@functools.lru_cache(maxsize=4096)
+def groups_within(devices: tuple[int, ...], groups: tuple[Group, ...]) -> list[Group]:
+    """The groups (disjoint) whose devices a collective over `devices` spans."""
+    inside = set(devices)
+    return [g for g in groups if g[0] in inside]
 
 
 def replay(

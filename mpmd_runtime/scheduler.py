@@ -15,11 +15,12 @@ unit_keys             which consecutive nodes form one step (one program): an ov
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 from piper_jax.ir.dag import Node, NodeKind, TrainingDAG
 from piper_jax.ir.errors import PlanError
 from piper_jax.ir.layout import group_str
+from piper_jax.mpmd_runtime.replay import groups_within
 
 Group = tuple[int, ...]
 _PRIORITY = {
@@ -36,10 +37,10 @@ def compute_groups(dag: TrainingDAG) -> list[Group]:
     return sorted({n.devices for n in dag.compute_nodes()})
 
 
-def member_groups(node: Node, groups: Iterable[Group]) -> list[Group]:
+def member_groups(node: Node, groups: Sequence[Group]) -> list[Group]:
     """The device groups whose plans hold `node`: a gradient ALL_REDUCE spans several."""
     if node.kind is NodeKind.ALL_REDUCE:
-        return [g for g in groups if set(g) <= set(node.devices)]
+        return groups_within(node.devices, tuple(groups))
     return [node.devices]
 
 
@@ -173,10 +174,12 @@ def _gathers_before(dag: TrainingDAG, u: int) -> bool:
     return node.kind is NodeKind.ALL_GATHER and dag.nodes[node.carries].kind is NodeKind.COMPUTE
 
 
-def attach_collectives(dag: TrainingDAG, uids: list[int], group: Group) -> list[int]:
+def attach_collectives(
+    dag: TrainingDAG, uids: list[int], group: Group, serves: dict[int, int]
+) -> list[int]:
     """`uids` (a group's scheduled nodes) with each ZeRO collective of the group put next
     to the node it serves, or around the overlap unit holding that node: gathers before,
-    reduce-scatters and gathers of updated shards after."""
+    reduce-scatters and gathers of updated shards after (`serves`: `attached(dag)`)."""
     before: dict[object, list[int]] = defaultdict(list)
     after: dict[object, list[int]] = defaultdict(list)
 
@@ -184,7 +187,7 @@ def attach_collectives(dag: TrainingDAG, uids: list[int], group: Group) -> list[
         overlap = dag.nodes[u].overlap
         return ("node", u) if overlap is None else ("overlap", overlap)
 
-    for u, carried in sorted(attached(dag).items()):
+    for u, carried in sorted(serves.items()):
         if dag.nodes[u].devices == group:
             (before if _gathers_before(dag, u) else after)[unit(carried)].append(u)
     out: list[int] = []

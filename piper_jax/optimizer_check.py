@@ -31,38 +31,40 @@ def _proxy_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
 Leaves = dict[str, np.ndarray]  # name -> (instances, *shape): one optimizer run per instance
 
 
-def _run(
-    optimizer: optax.GradientTransformation,
-    tree: ParamTree,
-    params: Leaves,
-    grads: list[Leaves],
-    carriers: np.ndarray | None = None,
-) -> Leaves:
-    """Steps of `optimizer` on the tree cut to `params`' names, for every instance at once
-    (vmapped over the leading axis: one dispatch per op for all of them); with
-    `carriers` (steps, instances), each step's extra CARRIER gradient."""
-    names = list(params)
-    treedef, order = tree(names, carriers is not None)
+Job = tuple[Leaves, list[Leaves], np.ndarray | None]  # params, grads per step, carriers
 
-    def as_tree(values: dict[str, Any], carrier: Any) -> Any:
-        values = {**values, CARRIER: carrier}
-        return jax.tree_util.tree_unflatten(treedef, [values[n] for n in order])
 
-    def one(p: Leaves, gs: list[Leaves], cs: Any) -> Leaves:
-        zero = jax.numpy.zeros((), jax.numpy.float32)
-        tree_p = as_tree(p, zero)
-        state = optimizer.init(tree_p)
-        for step, g in enumerate(gs):
-            c = zero if cs is None else cs[step]
-            updates, state = optimizer.update(as_tree(g, c), state, tree_p)
-            tree_p = optax.apply_updates(tree_p, updates)
-        out = dict(zip(order, jax.tree_util.tree_leaves(tree_p)))
-        out.pop(CARRIER, None)
-        return out
+def _runs(optimizer: optax.GradientTransformation, tree: ParamTree, jobs: list[Job]) -> list:
+    """Steps of `optimizer` for every job (params, grads per step, and with a carrier
+    (steps, instances) each step's extra CARRIER gradient), each on the tree cut to its
+    params' names and vmapped over its instances; all jobs are one jitted program, so
+    the check compiles once however many groups there are."""
 
-    cs = None if carriers is None else np.asarray(carriers, np.float32).T
-    result = jax.jit(jax.vmap(one))(params, grads, cs)
-    return {n: np.asarray(v) for n, v in result.items()}
+    def one_job(names: list[str], carrier: bool):
+        treedef, order = tree(names, carrier)
+
+        def as_tree(values: dict[str, Any], c: Any) -> Any:
+            values = {**values, CARRIER: c}
+            return jax.tree_util.tree_unflatten(treedef, [values[n] for n in order])
+
+        def one(p: Leaves, gs: list[Leaves], cs: Any) -> Leaves:
+            zero = jax.numpy.zeros((), jax.numpy.float32)
+            tree_p = as_tree(p, zero)
+            state = optimizer.init(tree_p)
+            for step, g in enumerate(gs):
+                c = zero if cs is None else cs[step]
+                updates, state = optimizer.update(as_tree(g, c), state, tree_p)
+                tree_p = optax.apply_updates(tree_p, updates)
+            out = dict(zip(order, jax.tree_util.tree_leaves(tree_p)))
+            out.pop(CARRIER, None)
+            return out
+
+        return jax.vmap(one)
+
+    fns = [one_job(list(p), c is not None) for p, _, c in jobs]
+    args = [(p, g, None if c is None else np.asarray(c, np.float32).T) for p, g, c in jobs]
+    results = jax.jit(lambda a: [fn(*job) for fn, job in zip(fns, a)])(args)
+    return [{n: np.asarray(v) for n, v in r.items()} for r in results]
 
 
 def _halves(values: Leaves) -> Leaves:
@@ -92,7 +94,8 @@ def _agrees(
 ) -> bool:
     """Each group's (and under ZeRO each shard's) own update equals its part of the update
     of all parameters at once, for every instance (gradient scale) of `grads`."""
-    joint = _run(optimizer, tree, proxy, grads)
+    jobs: list[Job] = [(proxy, grads, None)]
+    cuts = []
     for group in groups:
 
         def cut(values: Leaves, group: Sequence[str] = group) -> Leaves:
@@ -108,7 +111,10 @@ def _agrees(
             carriers = np.stack(
                 [np.sqrt(np.maximum(np.repeat(t, reps) - s, 0.0)) for t, s in zip(total, seen)]
             )
-        got = _run(optimizer, tree, cut(proxy), piece_grads, carriers)
+        jobs.append((cut(proxy), piece_grads, carriers))
+        cuts.append(cut)
+    joint, *results = _runs(optimizer, tree, jobs)
+    for cut, got in zip(cuts, results):
         want, start = cut(joint), cut(proxy)
         for n, v in got.items():
             # compare the updates, relative to their own size: parameters of size 10

@@ -10,10 +10,10 @@ import numpy as np
 import optax
 from flax import nnx
 from helpers import mlp_batches, mlp_loss, reference_run
+from piper_jax.mpmd_runtime import buffers as bf
 
 import piper_jax as piper
 from piper_jax import schedules
-from piper_jax.mpmd_runtime import buffers as bf
 
 
 class MixedMLP(nnx.Module):
