@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from piper_jax.directives.filters import matches
+from piper_jax.directives.filters import NodeIndex
 from piper_jax.directives.types import Order
 from piper_jax.ir.dag import EdgeKind, Node, TrainingDAG
 from piper_jax.ir.errors import DirectiveError
@@ -29,9 +29,9 @@ def backwards_to_split(dag: TrainingDAG, orders: Sequence[Order]) -> list[Node]:
     ]
     if not named:
         return []
-    return [
-        n for n in dag.compute_nodes() if n.pass_ == "B" and any(matches(f, n.tags) for f in named)
-    ]
+    index = NodeIndex(n for n in dag.compute_nodes() if n.pass_ == "B")
+    found = {n.uid: n for f in named for n in index.select(f)}
+    return [found[uid] for uid in sorted(found)]
 
 
 def split_backward_nodes(dag: TrainingDAG, backwards: Sequence[Node]) -> TrainingDAG:

@@ -67,10 +67,9 @@ def apply_order(
             f"{where} orders {na} on {list(a)} with {nb} on {list(b)}: an order runs on one "
             "device group; write one order directive per device group"
         )
-    for g, (nodes, overlap) in enumerate(zip(groups, overlapping)):
+    for nodes, overlap in zip(groups, overlapping):
         if not overlap:
             continue
-        _check_no_detour(dag, nodes, f"{where}: group {g}")
         for n in nodes.values():
             if dag.nodes[n.uid].overlap is not None:
                 raise DirectiveError(f"{where}: {n} is in two overlap groups")
@@ -82,6 +81,19 @@ def apply_order(
                 if a != b:
                     dag.connect(a, b, EdgeKind.TEMPORAL)
     return next_overlap
+
+
+def check_overlap_units(dag: TrainingDAG) -> None:
+    """Refuse an overlap group one of whose passes needs another's output by way of a
+    node outside the group. Called when the plans cannot be scheduled (a search per
+    group costs time quadratic in the DAG, so it only runs to explain that failure)."""
+    units: dict[int, dict[int, object]] = {}
+    for uid, n in dag.nodes.items():
+        if n.overlap is not None:
+            units.setdefault(n.overlap, {})[uid] = n
+    for members in units.values():
+        names = ", ".join(str(n) for n in members.values())
+        _check_no_detour(dag, members, f"order group [{names}]")
 
 
 def _check_no_detour(dag: TrainingDAG, nodes: dict, where: str) -> None:

@@ -25,10 +25,11 @@ from piper_jax.annotate import reset_annotation_counters
 from piper_jax.batching import check_batch_size
 from piper_jax.directives import apply_directives, check_directives, num_microbatches
 from piper_jax.directives.gradients import insert_updates
+from piper_jax.directives.order import check_overlap_units
 from piper_jax.directives.types import Replicate
 from piper_jax.ir import build_dag, lift
 from piper_jax.ir.dag import NodeKind, TrainingDAG
-from piper_jax.ir.errors import AnnotationError, BatchError, DirectiveError, PiperError
+from piper_jax.ir.errors import AnnotationError, BatchError, DirectiveError, PiperError, PlanError
 from piper_jax.ir.layout import group_str
 from piper_jax.ir.lift import LiftedLoss
 from piper_jax.mpmd_runtime.buffers import value_avals
@@ -203,7 +204,11 @@ def lower(
     )
     if carrier and not guard and not forward_only:
         dag = insert_updates(dag, lifted, global_norm=True)
-    plans = compile_plans(dag, lifted, fuse_collectives)
+    try:
+        plans = compile_plans(dag, lifted, fuse_collectives)
+    except PlanError:
+        check_overlap_units(dag)  # explains the usual cause as a DirectiveError
+        raise
     lifts = {g: lift_at(_width(plans, g, size, m)) for g in plans.steps}
     _check_transfers(plans, lifts)
 
