@@ -1,0 +1,82 @@
+"""Where the time to a first step goes: piper-jax next to pjit on the example GPT.
+
+Builds each system from a fresh model and runs its first step, profiling piper-jax's to
+split it into its phases: tracing the loss into regions (lift), the directive passes,
+the optimizer check, the plan compiler, setting up the executor (parameters, optimizer
+state, binding the steps) and the first step (XLA compiles every program while it
+runs). One run per system and strategy on 4 virtual CPU devices, about a minute.
+
+Run: .venv/bin/python benchmarks/compile_time.py
+"""
+
+from __future__ import annotations
+
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+PHASES = {  # phase -> (file suffix, function) whose cumulative time it is
+    "lift": ("ir/lift.py", "lift"),
+    "directives": ("directives/apply.py", "apply_directives"),
+    "optimizer check": ("piper_jax/optimizer_check.py", "plan_optimizer"),
+    "plans": ("mpmd_runtime/plans.py", "compile_plans"),
+    "executor set-up": ("mpmd_runtime/executor.py", "__init__"),
+}
+
+
+def phases(profile: cProfile.Profile) -> dict[str, float]:
+    stats = pstats.Stats(profile).stats
+    out = dict.fromkeys(PHASES, 0.0)
+    for (path, _, name), (_, _, _, cumulative, _) in stats.items():
+        for phase, (suffix, function) in PHASES.items():
+            if path.endswith(suffix) and name == function:
+                out[phase] += cumulative
+    return out
+
+
+def main() -> int:
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 4)
+    import optax
+    from flax import nnx
+
+    import piper_jax as piper
+    from piper_jax.baselines import pjit_step
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.join(here, "..", "examples"))
+    from data import batches, encode, load_corpus
+    from gpt import GPT, GPTConfig, loss_fn
+
+    config = GPTConfig(seq_len=128, d_model=128, n_heads=4, n_layers=4, num_stages=1)
+    batch = next(batches(encode(load_corpus(200_000)), 32, 128, 0))
+    optimizer = optax.adamw(1e-3, weight_decay=0.01)
+    print(f"{'strategy':<8}{'system':<7}{'total s':>9}  breakdown (s)")
+    for name, flags, strategy in (("DP", {}, "dp"), ("ZeRO-3", {"shard_params": True}, "fsdp")):
+        model = GPT(config, rngs=nnx.Rngs(0))
+        t0 = time.perf_counter()
+        pjit_step(loss_fn, model, optimizer, batch, strategy=strategy)(batch)
+        base = time.perf_counter() - t0
+        print(f"{name:<8}{'pjit':<7}{base:>9.2f}")
+        model = GPT(config, rngs=nnx.Rngs(0))
+        directives = [piper.replicate({"PP": "*"}, [0, 1, 2, 3], **flags)]
+        profile = cProfile.Profile()
+        t0 = time.perf_counter()
+        profile.enable()
+        step = piper.compile(loss_fn, model, optimizer, batch, directives)
+        t1 = time.perf_counter()
+        step(batch)
+        profile.disable()
+        total = time.perf_counter() - t0
+        parts = phases(profile) | {"first step": time.perf_counter() - t1}
+        text = ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
+        print(f"{'':<8}{'piper':<7}{total:>9.2f}  {text}  ({total / base:.2f}x pjit)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
