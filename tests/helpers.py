@@ -109,3 +109,15 @@ def deadlocked_steps(step: Any) -> dict:
     move_before((0,), "RECV B1.0 <- d1", "SEND F0.1 -> d1")
     move_before((1,), "RECV F0.1 <- d0", "SEND B1.0 -> d0")
     return steps
+
+
+def token_batches(
+    steps: int, vocab_size: int, seq_len: int, batch_size: int = 8
+) -> list[dict[str, np.ndarray]]:
+    """Random next-token batches ("tokens", "targets": int32 (B, T)) for the example GPT."""
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(steps):
+        ids = rng.integers(0, vocab_size, size=(batch_size, seq_len + 1))
+        out.append({"tokens": ids[:, :-1].astype(np.int32), "targets": ids[:, 1:].astype(np.int32)})
+    return out

@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import token_batches
 
 import piper_jax as piper
 
@@ -26,12 +27,7 @@ OPT = optax.adamw(1e-2, eps=1e-4)
 
 
 def batches(steps: int, batch_size: int = 8) -> list[dict]:
-    rng = np.random.default_rng(0)
-    out = []
-    for _ in range(steps):
-        ids = rng.integers(0, CONFIG.vocab_size, size=(batch_size, CONFIG.seq_len + 1))
-        out.append({"tokens": ids[:, :-1].astype(np.int32), "targets": ids[:, 1:].astype(np.int32)})
-    return out
+    return token_batches(steps, CONFIG.vocab_size, CONFIG.seq_len, batch_size)
 
 
 def reference(config: GPTConfig, data: list[dict], m: int, replicas: int) -> tuple[list, list]:

@@ -6,10 +6,9 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import optax
 from flax import nnx
-from helpers import assert_matches_reference
+from helpers import assert_matches_reference, token_batches
 
 import piper_jax as piper
 
@@ -22,12 +21,7 @@ CONFIG = GPTConfig(seq_len=16, d_model=32, n_heads=2, n_layers=2, num_stages=2)
 
 
 def gpt_batches(steps: int, batch_size: int = 8) -> list[dict]:
-    rng = np.random.default_rng(0)
-    out = []
-    for _ in range(steps):
-        ids = rng.integers(0, CONFIG.vocab_size, size=(batch_size, CONFIG.seq_len + 1))
-        out.append({"tokens": ids[:, :-1].astype(np.int32), "targets": ids[:, 1:].astype(np.int32)})
-    return out
+    return token_batches(steps, CONFIG.vocab_size, CONFIG.seq_len, batch_size)
 
 
 def test_gpt_pp2_dp2_1f1b_matches_single_device() -> None:
