@@ -1,6 +1,7 @@
 """Apply a directive list to the training DAG, always in the fixed order:
 split -> recompute -> backward split (where an order names BI/BW) -> place -> replicate
--> shard -> (placement check) -> gradients and ZeRO collectives -> transfers -> order."""
+-> shard (expert, tensor) -> (placement check) -> gradients and ZeRO collectives ->
+transfers -> order."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from piper_jax.directives.place import apply_places, check_placement
 from piper_jax.directives.recompute import apply_recompute
 from piper_jax.directives.replicate import apply_replicates
 from piper_jax.directives.split import apply_split, split_all
+from piper_jax.directives.tensor import apply_shard_tensors
 from piper_jax.directives.transfers import insert_transfers
 from piper_jax.directives.types import (
     DIRECTIVE_TYPES,
@@ -23,6 +25,7 @@ from piper_jax.directives.types import (
     Recompute,
     Replicate,
     Shard,
+    ShardTensor,
     Split,
 )
 from piper_jax.ir.dag import TrainingDAG
@@ -85,7 +88,11 @@ def apply_directives(
     dag = split_backward_nodes(dag, backwards_to_split(dag, orders))
     dag = apply_places(dag, [d for d in directives if isinstance(d, Place)], num_devices)
     dag = apply_replicates(dag, [d for d in directives if isinstance(d, Replicate)], num_devices)
-    dag = check_placement(dag, any(isinstance(d, (Place, Replicate)) for d in directives))
+    tensors = [d for d in directives if isinstance(d, ShardTensor)]
+    dag = apply_shard_tensors(dag, lifted, tensors, num_devices)
+    dag = check_placement(
+        dag, any(isinstance(d, (Place, Replicate, ShardTensor)) for d in directives)
+    )
     if forward_only:
         zero.insert_gathers(dag, lifted)
     else:

@@ -20,7 +20,7 @@ from piper_jax.directives import zero
 from piper_jax.directives.buckets import buckets_by_size, param_nbytes
 from piper_jax.ir.build import region_meshes
 from piper_jax.ir.dag import WEIGHT_GRAD_PASSES, Node, NodeKind, TrainingDAG
-from piper_jax.ir.layout import DeviceMesh
+from piper_jax.ir.layout import DP, DeviceMesh
 from piper_jax.ir.lift import LiftedLoss
 
 SYNC_KINDS = (NodeKind.UPD, NodeKind.ALL_REDUCE, NodeKind.REDUCE_SCATTER, NodeKind.ALL_GATHER)
@@ -87,9 +87,10 @@ def insert_updates(dag: TrainingDAG, lifted: LiftedLoss, global_norm: bool = Fal
     reduces = []
     for union, all_params in by_union.items():
         groups = {meshes[r].devices for p in all_params for r in users[p]}
+        replicas = max(meshes[r].axis_size(DP) for p in all_params for r in users[p])
         sharded = any(layout[r].zero_level >= 2 for p in all_params for r in users[p])
         # ZeRO groups reduce inside each group already; a sum across groups is left
-        needs_reduce = len(groups) > 1 or (not sharded and len(union) > 1)
+        needs_reduce = len(groups) > 1 or (not sharded and replicas > 1)
         limits = {layout[r].bucket_mb for p in all_params for r in users[p]} - {None}
         buckets = (
             buckets_by_size(all_params, lambda p: (-min(users[p]), p), nbytes, min(limits))

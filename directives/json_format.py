@@ -8,7 +8,15 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from piper_jax.directives.types import Order, Place, Recompute, Replicate, Shard, Split
+from piper_jax.directives.types import (
+    Order,
+    Place,
+    Recompute,
+    Replicate,
+    Shard,
+    ShardTensor,
+    Split,
+)
 from piper_jax.ir.errors import DirectiveError
 
 OPS = {
@@ -16,6 +24,7 @@ OPS = {
     "place": Place,
     "replicate": Replicate,
     "shard": Shard,
+    "shard_tensor": ShardTensor,
     "order": Order,
     "recompute": Recompute,
 }
@@ -28,17 +37,17 @@ _MISPLACED = {
     "its gradient and parameter collectives)",
     **{
         (op, field): "write 'stream'"
-        for op in ("place", "shard")
+        for op in ("place", "shard", "shard_tensor")
         for field in ("reduce_stream", "gather_stream")
     },
     **{
         (op, "filters"): "write 'filter' (one filter object)"
-        for op in ("split", "place", "replicate", "shard", "recompute")
+        for op in ("split", "place", "replicate", "shard", "shard_tensor", "recompute")
     },
     ("order", "filter"): "write 'filters' (a list of groups of filter objects)",
 }
 # `device` for `devices`, read by the reference Piper on these ops.
-_DEVICE_ALIAS_OPS = ("place", "replicate", "shard")
+_DEVICE_ALIAS_OPS = ("place", "replicate", "shard", "shard_tensor")
 
 
 def directive_from_dict(entry: Any, index: int) -> Any:

@@ -98,6 +98,14 @@ def check_placement(dag: TrainingDAG, placed: bool) -> TrainingDAG:
                 f"{sorted({pl.zero_level for pl in layouts})}: replicate every region on one "
                 "group with the same shard_grads/shard_params"
             )
+        specs: dict[int, object] = {}
+        for n in on_g:
+            for p, spec in n.param_layout.tensor:
+                if specs.setdefault(p, spec) != spec:
+                    raise DirectiveError(
+                        f"parameter {p} of device group {list(g)} is split two ways by "
+                        f"shard_tensor ({specs[p]} and {spec}); split it one way"
+                    )
         if len({n.mesh for n in on_g}) > 1:
             raise DirectiveError(
                 f"device group {list(g)} is split in different ways by its regions' "

@@ -200,6 +200,64 @@ class Shard:
         check_stream(self.stream, "stream", "shard")
 
 
+TENSOR_SPLITS = ("colwise", "rowwise")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardTensor:
+    """Tensor parallelism inside the matched regions' device group: their parameters lie
+    split over a `tp` axis of `len(devices)` devices and each region's programs run as
+    SPMD over it (XLA inserts the collectives); the model code stays the unsharded model.
+
+    Attributes:
+      devices: one tensor-parallel group: the region's devices, or a run of consecutive
+        devices of it (the rest of the group are data-parallel replicas of that run).
+      params: module name (the trailing path components of a Linear-like module, e.g.
+        "fc1" or "attn/qkv") -> "colwise" (kernel output features and the bias split,
+        Megatron's column parallel) or "rowwise" (kernel input features split, the bias
+        whole: row parallel).
+      rules: parameter path pattern (a regular expression searched in the leaf name, e.g.
+        r"embed") -> a partition of the leaf's dimensions: a list of "tp" or None per
+        dimension; for what colwise/rowwise do not say.
+      stream: the logical stream of its collectives.
+    """
+
+    filter: dict
+    devices: tuple[int, ...]
+    params: dict = dataclasses.field(default_factory=dict)
+    rules: dict = dataclasses.field(default_factory=dict)
+    stream: str = "tp"
+
+    def __post_init__(self) -> None:
+        where = "shard_tensor"
+        object.__setattr__(self, "filter", check_filter(self.filter, where))
+        object.__setattr__(self, "devices", check_devices(self.devices, where))
+        check_stream(self.stream, "stream", where)
+        if not isinstance(self.params, dict) or any(
+            not isinstance(k, str) or v not in TENSOR_SPLITS for k, v in self.params.items()
+        ):
+            raise DirectiveError(
+                f"{where}: params maps module names to 'colwise' or 'rowwise', e.g. "
+                f"{{'fc1': 'colwise', 'fc2': 'rowwise'}}; got {self.params!r}"
+            )
+        rules = {}
+        for pattern, spec in (self.rules or {}).items():
+            if (
+                not isinstance(pattern, str)
+                or not isinstance(spec, (list, tuple))
+                or any(axis not in ("tp", None) for axis in spec)
+            ):
+                raise DirectiveError(
+                    f"{where}: rules maps a parameter path pattern to a list of 'tp' or None "
+                    f"per dimension, e.g. {{'embed': ['tp', None]}}; got {pattern!r}: {spec!r}"
+                )
+            rules[pattern] = tuple(spec)
+        if not self.params and not rules:
+            raise DirectiveError(f"{where}: give params (colwise/rowwise by module) or rules")
+        object.__setattr__(self, "params", dict(self.params))
+        object.__setattr__(self, "rules", rules)
+
+
 @dataclasses.dataclass(frozen=True)
 class Order:
     """Run the nodes matched by each group of filters before those of the next group."""
@@ -229,5 +287,5 @@ class Recompute:
         object.__setattr__(self, "filter", check_filter(self.filter, "recompute"))
 
 
-Directive = Split | Place | Replicate | Shard | Order | Recompute
-DIRECTIVE_TYPES = (Split, Place, Replicate, Shard, Order, Recompute)
+Directive = Split | Place | Replicate | Shard | ShardTensor | Order | Recompute
+DIRECTIVE_TYPES = (Split, Place, Replicate, Shard, ShardTensor, Order, Recompute)

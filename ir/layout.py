@@ -31,6 +31,7 @@ import math
 from piper_jax.ir.errors import DirectiveError
 
 DP = "dp"
+TP = "tp"
 
 
 def group_str(devices: tuple[int, ...] | list[int]) -> str:
@@ -116,10 +117,13 @@ class ParamLayout:
         state is flat-sharded) or 3 (`shard_params`: parameters flat-sharded too and
         all-gathered around every use).
       bucket_mb: gradient collectives are cut into buckets of at most this many MB.
+      tensor: (parameter, partition) pairs: the parameters split over the group's `tp`
+        axis (`shard_tensor`), each with a "tp" or None per dimension.
     """
 
     zero_level: int = 0
     bucket_mb: float | None = None
+    tensor: tuple[tuple[int, tuple[str | None, ...]], ...] = ()
 
     @property
     def params(self) -> Layout:
@@ -135,4 +139,6 @@ class ParamLayout:
 
     def __str__(self) -> str:
         text = f"params {self.params}, grads {self.grads}, optimizer state {self.state}"
+        if self.tensor:
+            text += f", {len(self.tensor)} params split over tp"
         return text + (f", buckets of {self.bucket_mb:g} MB" if self.bucket_mb else "")

@@ -31,7 +31,7 @@ from piper_jax.mpmd_runtime.instructions import (
     UPD,
     Instruction,
 )
-from piper_jax.mpmd_runtime.programs import AXIS, replicated, spmd, stacked
+from piper_jax.mpmd_runtime.programs import AXIS, replicas, replicated, spmd, stacked
 from piper_jax.mpmd_runtime.transport import from_local_shards, make_transfer, shards_by_device
 
 if TYPE_CHECKING:
@@ -161,7 +161,7 @@ def scatter_piece(rt: Runtime, g: Group, ins: Instruction) -> Piece:
     region = rt.ctx.lifted.regions[ins.region]
     position = {n: i for i, n in enumerate(rt.ctx.names(region.param_ids))}
     take = [position[a.name] for a in accs]
-    width = rt.meshes[g].size
+    width = replicas(rt.meshes[g])
 
     def reduce_scatter(grads: list, acc: list) -> list:
         shards = zero.scatter_all([grads[i][0].astype(a.dtype) for i, a in zip(take, acc)], width)
@@ -216,6 +216,11 @@ def update_piece(rt: Runtime, g: Group, ins: Instruction) -> Piece:
         out.update((a, jnp.zeros_like(env[a])) for a in accs)
         if level == 2:
             out[written[0]] = new_params
+        elif level == 0:  # parameters keep their layout (split over tp or whole)
+            out.update(
+                (b, jax.lax.with_sharding_constraint(v, rt.param_sharding(g, b.name)))
+                for b, v in zip(written, new_params)
+            )
         else:
             out.update(zip(written, new_params))
         return out
@@ -229,7 +234,7 @@ def grad_reader(
     """For an update or norm on group g: each parameter's gradient as the step holds it
     (all-reduced value or the group's accumulator), with its layout. A plain group reads
     totals (or, with one replica, its accumulator row); a ZeRO group its stacked shards."""
-    level, width = rt.ctx.zero_level[g], rt.meshes[g].size
+    level, width = rt.ctx.zero_level[g], replicas(rt.meshes[g])
     sources = []
     for p in params:
         name = rt.ctx.lifted.param_names[p]
@@ -354,18 +359,19 @@ def norm_partials(rt: Runtime, g: Group) -> Callable[[Env], jax.Array]:
     """Group g's squared gradient norm as per-replica partial sums (dp,), whose sum is
     the group's share of the global norm: no collective per parameter, one at the end."""
     mesh = rt.meshes[g]
+    width = replicas(mesh)
     grads = grad_reader(rt, g, bf.norm_params(rt.ctx, g))
 
     def partial(env: Env) -> jax.Array:
         parts = []
         for x, layout in grads(env):
             sq = jnp.square(x.astype(jnp.float32))
-            if layout is Placement.REPLICATED:  # every device holds the total: count it once
-                parts.append(jnp.full((mesh.size,), jnp.sum(sq) / mesh.size))
+            if layout is Placement.REPLICATED:  # every replica holds the total: count it once
+                parts.append(jnp.full((width,), jnp.sum(sq) / width))
             else:  # per-replica rows: partial sums (one replica) or ZeRO shards
                 rows = sq if layout is Placement.FLAT else sq[None]
-                parts.append(rows.reshape(mesh.size, -1).sum(1))
-        total = sum(parts, jnp.zeros((mesh.size,), jnp.float32))
+                parts.append(rows.reshape(width, -1).sum(1))
+        total = sum(parts, jnp.zeros((width,), jnp.float32))
         return jax.lax.with_sharding_constraint(total, stacked(mesh))
 
     return partial
@@ -375,7 +381,9 @@ def _norm_side(rt: Runtime, g: Group) -> tuple[Callable, Callable]:
     mesh = rt.meshes[g]
     partial = norm_partials(rt, g)
     reads = bf.access(Instruction(ALL_REDUCE, GNORM, (0,)), g, rt.ctx).reads
-    before = jax.jit(lambda values: partial(dict(zip(reads, values))).reshape(mesh.size, 1))
+    before = jax.jit(
+        lambda values: collectives.device_rows(partial(dict(zip(reads, values)))[:, None], mesh)
+    )
     after = jax.jit(lambda total: jax.lax.with_sharding_constraint(total[0], replicated(mesh)))
     return (lambda store: before([store[b] for b in reads])), after
 

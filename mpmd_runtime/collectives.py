@@ -24,7 +24,15 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from piper_jax.ir.layout import Placement
 from piper_jax.mpmd_runtime import zero
-from piper_jax.mpmd_runtime.programs import AXIS, group_mesh, replicated, spmd, stacked
+from piper_jax.mpmd_runtime.programs import (
+    AXIS,
+    group_mesh,
+    has_tensor_axis,
+    replicas,
+    replicated,
+    spmd,
+    stacked,
+)
 
 Shape = tuple[int, ...]
 
@@ -35,6 +43,8 @@ def sum_replicas(xs: Sequence[jax.Array], mesh: Mesh) -> list[jax.Array]:
     XLA compiles much faster than the same sum partitioned from global arrays)."""
 
     def per_replica(rows: list) -> list:
+        if has_tensor_axis(mesh):  # split over tp: concatenating would gather them first
+            return [jax.lax.psum(r[0], AXIS) for r in rows]
         out: list[Any] = [None] * len(rows)
         for idx in zero.dtype_groups(rows):
             flat = jnp.concatenate([rows[i].reshape(-1) for i in idx])
@@ -52,7 +62,7 @@ def contribution(
 ) -> jax.Array:
     """A group's gradients (of the given full shapes) -> (dp, N) float32 rows whose sum
     over the rows is the group's total, flattened and concatenated (N: total elements)."""
-    width = mesh.size
+    width = replicas(mesh)
     rows = []
     for x, shape, layout in zip(xs, shapes, layouts):
         n = int(np.prod(shape))
@@ -65,7 +75,19 @@ def contribution(
             placed = jnp.eye(width, dtype=jnp.float32)[:, :, None] * x.astype(jnp.float32)[None]
             rows.append(placed.reshape(width, -1)[:, :n])
     out = jnp.concatenate(rows, axis=1) if rows else jnp.zeros((width, 0), jnp.float32)
-    return jax.lax.with_sharding_constraint(out, stacked(mesh))
+    return device_rows(out, mesh)
+
+
+def device_rows(rows: jax.Array, mesh: Mesh) -> jax.Array:
+    """Per-replica rows (dp, N) -> one row per device (dp x tp, N) with the same sum:
+    the union program sums one row per device of every group it spans."""
+    tensor = mesh.size // replicas(mesh)
+    if tensor > 1:
+        rows = jnp.repeat(rows / tensor, tensor, axis=0)
+        return jax.lax.with_sharding_constraint(
+            rows, NamedSharding(mesh, P(tuple(mesh.axis_names)))
+        )
+    return jax.lax.with_sharding_constraint(rows, stacked(mesh))
 
 
 def result(
@@ -84,7 +106,9 @@ def result(
         offset += n
         if layout is Placement.FLAT:
             out.append(
-                jax.lax.with_sharding_constraint(zero.to_shards(part, mesh.size), stacked(mesh))
+                jax.lax.with_sharding_constraint(
+                    zero.to_shards(part, replicas(mesh)), stacked(mesh)
+                )
             )
         else:
             out.append(jax.lax.with_sharding_constraint(part.reshape(shape), replicated(mesh)))

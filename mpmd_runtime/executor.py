@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from piper_jax.ir.errors import PiperError
 from piper_jax.ir.lift import LiftedLoss
 from piper_jax.mpmd_runtime import binders, state
@@ -56,11 +58,14 @@ class Runtime:
     ):
         self.plans, self.lifts, self.optimizer = plans, dict(lifts), optimizer
         self.param_avals, self.param_tree, self.carrier = dict(param_avals), param_tree, carrier
+        self.param_index = {n: i for i, n in enumerate(param_avals)}
         self.num_microbatches = num_microbatches
         any_lift = next(iter(self.lifts.values()))
         self.ctx = plans.context(any_lift)
         self.groups: list[Group] = sorted(plans.steps)
-        self.meshes = {g: pg.group_mesh([devices[i] for i in g]) for g in self.groups}
+        self.meshes = {
+            g: pg.group_mesh([devices[i] for i in g], plans.meshes[g].axes) for g in self.groups
+        }
         self.local = {
             g for g in self.groups if any(is_local(d) for d in self.meshes[g].devices.flat)
         }
@@ -68,7 +73,7 @@ class Runtime:
         self.mailbox: dict[tuple[str, Group], Any] = {}
         self._programs: dict[tuple[int, Group], pg.RegionPrograms] = {}
         self._updates: dict[tuple[int, Group], UpdateProgram] = {}
-        self.loss_seed = 1.0 / (num_microbatches * self.meshes[self.loss_group].size)
+        self.loss_seed = 1.0 / (num_microbatches * pg.replicas(self.meshes[self.loss_group]))
 
     @functools.cached_property
     def loss_group(self) -> Group:
@@ -79,6 +84,13 @@ class Runtime:
             for i in plan
             if i.op == RUN and i.pass_ == "F" and i.region == loss_region
         )
+
+    def param_sharding(self, g: Group, name: str, stacked: bool = False) -> Any:
+        """How a parameter (or, `stacked`, its per-replica accumulator) of group g lies on
+        its mesh: split over `tp` where `shard_tensor` says so, else whole."""
+        p = self.param_index[name]
+        spec = self.plans.tensor.get(g, {}).get(p, ())
+        return NamedSharding(self.meshes[g], P(*(((pg.AXIS,) if stacked else ()) + spec)))
 
     def param_shape(self, name: str) -> tuple[int, ...]:
         return self.param_avals[name][0]
@@ -113,7 +125,7 @@ class Runtime:
 
     def buffer_avals(self, value: str, g: Group) -> list[Aval]:
         """Global shapes of a moved buffer on group g, stacked over g's replicas."""
-        width = self.meshes[g].size
+        width = pg.replicas(self.meshes[g])
         return [((width,) + s, d) for s, d in bf.value_avals(self.lifts[g], value)]
 
     def regions_on(self, g: Group) -> list[int]:
@@ -361,7 +373,7 @@ class Executor:
         m = self.rt.num_microbatches
         for g in self.rt.local:
             mesh = self.rt.meshes[g]
-            sharding, width = pg.stacked(mesh), mesh.size
+            sharding, width = pg.stacked(mesh), pg.replicas(mesh)
             needed = self.batch_leaves[g]
             split = {
                 i: random_counters(self.steps_done, m, width)
@@ -427,7 +439,7 @@ class Executor:
         if g not in self.rt.local:
             return 0
         best = 0
-        width = self.rt.meshes[g].size
+        width = pg.replicas(self.rt.meshes[g])
         for r in self.rt.regions_on(g):
             programs = self.rt.programs(r, g)
             region = programs.region

@@ -75,7 +75,7 @@ def from_full(
     mesh: Mesh,
 ) -> Any:
     """The node's `state` with every leaf but the carrier's replaced from `full`."""
-    replicas = mesh.size
+    replicas = pg.replicas(mesh)
 
     def place(path: tuple, leaf: jax.Array) -> jax.Array:
         key = keystr(path)

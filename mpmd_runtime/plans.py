@@ -57,6 +57,8 @@ class Plans:
     Attributes:
       meshes: the named mesh of every device group.
       zero_level: the ZeRO level of every device group.
+      tensor: per device group, the parameters split over its `tp` axis, each with a
+        partition of its dimensions ("tp" or None per dimension).
       steps: per group, the steps in execution order (a step: one instruction, or
         several fused into one program).
       param_sets: parameter indices of each UPD (`UPD1`), gradient ALL_REDUCE
@@ -71,6 +73,7 @@ class Plans:
 
     meshes: dict[Group, DeviceMesh]
     zero_level: dict[Group, int]
+    tensor: dict[Group, dict[int, tuple[str | None, ...]]]
     steps: dict[Group, list[Step]]
     param_sets: dict[str, tuple[int, ...]]
     recompute: frozenset[int]
@@ -119,6 +122,10 @@ class Plans:
             lines.append(
                 f"group {group_str(g)} {self.meshes[g].axes_str()} zero={self.zero_level[g]}"
             )
+        for g in sorted(self.tensor):
+            for p, spec in sorted(self.tensor[g].items()):
+                axes = ",".join(axis or "-" for axis in spec)
+                lines.append(f"spec {group_str(g)} {p} = {axes}")
         if self.recompute:
             lines.append("recompute " + " ".join(str(r) for r in sorted(self.recompute)))
         if self.global_norm:
@@ -137,6 +144,7 @@ class Plans:
         """Plans written by `to_text` (their order and rounds replayed again)."""
         meshes: dict[Group, DeviceMesh] = {}
         zero_level: dict[Group, int] = {}
+        tensor: dict[Group, dict[int, tuple[str | None, ...]]] = {}
         steps: dict[Group, list[Step]] = {}
         param_sets: dict[str, tuple[int, ...]] = {}
         recompute: frozenset[int] = frozenset()
@@ -153,10 +161,16 @@ class Plans:
                     continue
                 word, _, rest = line.partition(" ")
                 if word == "group":
-                    devices, axes, zero = rest.split(" ")
+                    devices, _, rest = rest.partition(" ")
+                    axes, _, zero = rest.rpartition(" ")
                     g = _parse_group(devices)
                     meshes[g] = DeviceMesh(g, _parse_axes(axes))
                     zero_level[g] = int(zero.removeprefix("zero="))
+                elif word == "spec":
+                    where, _, axes = rest.partition(" = ")
+                    devices, param = where.split(" ")
+                    spec = tuple(None if a == "-" else a for a in axes.split(","))
+                    tensor.setdefault(_parse_group(devices), {})[int(param)] = spec
                 elif word == "recompute":
                     recompute = frozenset(int(r) for r in rest.split())
                 elif word == "global_norm":
@@ -173,7 +187,7 @@ class Plans:
             except (ValueError, AssertionError) as err:
                 raise PlanError(f"plan text line {n}: {err}") from None
         return finish_plans(
-            meshes, zero_level, steps, param_sets, recompute, global_norm, forward_only
+            meshes, zero_level, tensor, steps, param_sets, recompute, global_norm, forward_only
         )
 
     def fingerprint(self, extra: str = "") -> str:
@@ -208,6 +222,7 @@ def _parse_axes(text: str) -> tuple[tuple[str, int], ...]:
 def finish_plans(
     meshes: Mapping[Group, DeviceMesh],
     zero_level: Mapping[Group, int],
+    tensor: Mapping[Group, dict[int, tuple[str | None, ...]]],
     steps: Mapping[Group, list[Step]],
     param_sets: Mapping[str, tuple[int, ...]],
     recompute: frozenset[int],
@@ -219,6 +234,7 @@ def finish_plans(
     return Plans(
         dict(meshes),
         dict(zero_level),
+        {g: dict(t) for g, t in tensor.items() if t},
         {g: list(s) for g, s in steps.items()},
         dict(param_sets),
         recompute,
@@ -245,9 +261,13 @@ def compile_plans(dag: TrainingDAG, lifted: LiftedLoss, fuse_collectives: bool =
     recompute = frozenset(n.region for n in dag.compute_nodes() if n.recompute)
     global_norm = any(n.value == GNORM for n in dag.of_kind(NodeKind.ALL_REDUCE))
     forward_only = not any(n.pass_ != "F" for n in dag.compute_nodes())
+    tensor: dict[Group, dict[int, tuple[str | None, ...]]] = {}
+    for n in dag.compute_nodes():
+        tensor.setdefault(n.devices, {}).update(n.param_layout.tensor)
     flags = (param_sets, recompute, global_norm, forward_only)
-    steps = insert_frees(steps, Plans(meshes, zero_level, steps, *flags, [], {}).context(lifted))
-    return finish_plans(meshes, zero_level, steps, *flags)
+    draft = Plans(meshes, zero_level, tensor, steps, *flags, [], {})
+    steps = insert_frees(steps, draft.context(lifted))
+    return finish_plans(meshes, zero_level, tensor, steps, *flags)
 
 
 def _param_sets(dag: TrainingDAG) -> dict[str, tuple[int, ...]]:

@@ -27,14 +27,28 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from piper_jax.ir.backward_split import split_backward
-from piper_jax.ir.layout import DP
+from piper_jax.ir.layout import DP, TP
 from piper_jax.ir.lift import LiftedLoss, Region
 
 AXIS = DP
 
 
-def group_mesh(devices: Sequence[jax.Device]) -> Mesh:
-    return Mesh(np.array(list(devices)), (AXIS,))
+def group_mesh(
+    devices: Sequence[jax.Device], axes: Sequence[tuple[str, int]] | None = None
+) -> Mesh:
+    """A jax Mesh of `devices` laid out over named `axes` (default: one `dp` axis)."""
+    axes = list(axes or [(AXIS, len(devices))])
+    shape = tuple(size for _, size in axes)
+    return Mesh(np.array(list(devices)).reshape(shape), tuple(name for name, _ in axes))
+
+
+def replicas(mesh: Mesh) -> int:
+    """The data-parallel replicas of a group: the length of stacked per-replica values."""
+    return mesh.shape[AXIS]
+
+
+def has_tensor_axis(mesh: Mesh) -> bool:
+    return TP in mesh.axis_names
 
 
 def stacked(mesh: Mesh) -> NamedSharding:
@@ -54,8 +68,24 @@ def stack(tree: Any) -> Any:
 
 
 def spmd(fn: Callable, mesh: Mesh, in_specs: tuple, out_specs: Any) -> Callable:
-    """`fn` run once per replica of `mesh` (Note [replicas as a leading axis])."""
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    """`fn` run once per replica of `mesh` (Note [replicas as a leading axis]); inside a
+    replica, the other axes of the mesh (`tp`) stay for XLA to partition."""
+    return jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        axis_names=frozenset({AXIS}),
+        check_vma=False,
+    )
+
+
+def whole_over_tp(tree: Any, mesh: Mesh) -> Any:
+    """Inside a replica: values leaving a region whole on every tensor-parallel device
+    (what another group receives or a cotangent it adds up), not split as XLA chose."""
+    if not has_tensor_axis(mesh):
+        return tree
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P()), tree)
 
 
 def cotangent_sources(lifted: LiftedLoss, region: Region) -> list[list[tuple[int, int]]]:
@@ -186,12 +216,14 @@ class RegionPrograms:
     def _forward(self, params: list, batch: list, acts: list) -> tuple:
         batch, acts = unstack(batch), unstack(acts)
         if self.recompute:
-            return stack(self.region.fn(params, batch, acts)), stack((batch, acts))
+            outs = self.region.fn(params, batch, acts)
+            return stack(whole_over_tp(outs, self.mesh)), stack((batch, acts))
         outs, vjp = self._linearize(params, batch, acts)
-        return stack(outs), stack(self._kept(vjp))
+        return stack(whole_over_tp(outs, self.mesh)), stack(self._kept(vjp))
 
     def _evaluate(self, params: list, batch: list, acts: list) -> list:
-        return stack(self.region.fn(params, unstack(batch), unstack(acts)))
+        outs = self.region.fn(params, unstack(batch), unstack(acts))
+        return stack(whole_over_tp(outs, self.mesh))
 
     def _vjp(self, params: list, res: Any) -> Any:
         if self.recompute:
@@ -201,7 +233,7 @@ class RegionPrograms:
 
     def _backward(self, params: list, res: Any, cots: list, *acc: list) -> tuple:
         g_params, g_acts = self._vjp(params, res)(self._seeds(unstack(cots)))
-        return stack(list(g_acts)), self._gradients(g_params, acc)
+        return stack(whole_over_tp(list(g_acts), self.mesh)), self._gradients(g_params, acc)
 
     def _gradients(self, g_params: Sequence[Any], acc: tuple) -> list:
         if not acc:
@@ -227,7 +259,7 @@ class RegionPrograms:
         bi, _, num_cross = self._split
         outs = bi(*self._leaves(params, unstack(res)), *self._seeds(unstack(cots)))
         n_acts = len(outs) - num_cross
-        return stack(outs[:n_acts]), stack(outs[n_acts:])
+        return stack(whole_over_tp(outs[:n_acts], self.mesh)), stack(outs[n_acts:])
 
     def _backward_weight(self, params: list, res: list, cross: list, *acc: list) -> list:
         g_params = self._split[1](*self._leaves(params, unstack(res)), *unstack(cross))

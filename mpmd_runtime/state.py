@@ -40,25 +40,27 @@ def held(rt: Runtime, g: Group) -> list[str]:
     return [n for r, h in updates(rt) if h == g for n in rt.ctx.names(rt.ctx.param_sets[f"UPD{r}"])]
 
 
-def place_param(rt: Runtime, g: Group, value: Any) -> jax.Array:
+def place_param(rt: Runtime, g: Group, name: str, value: Any) -> jax.Array:
     """A parameter's host value on group g: replicated, or as ZeRO-3 shards."""
     mesh = rt.meshes[g]
     if rt.ctx.zero_level[g] >= 3:
-        return host_to_group(zero.to_shards(np.asarray(value), mesh.size), pg.stacked(mesh))
-    return host_to_group(value, pg.replicated(mesh))
+        return host_to_group(zero.to_shards(np.asarray(value), pg.replicas(mesh)), pg.stacked(mesh))
+    return host_to_group(value, rt.param_sharding(g, name))
 
 
 def init_state(rt: Runtime, values: Mapping[str, Any]) -> None:
     """Parameters, zero accumulators and optimizer state on every local group."""
     for g in rt.local:
         store, mesh, level = rt.stores[g], rt.meshes[g], rt.ctx.zero_level[g]
+        width = pg.replicas(mesh)
         for name in held(rt, g):
-            store[bf.param(name)] = place_param(rt, g, values[name])
+            store[bf.param(name)] = place_param(rt, g, name, values[name])
             shape, dtype = rt.param_avals[name]
-            rows = (
-                (mesh.size, zero.shard_len(shape, mesh.size)) if level >= 2 else (mesh.size, *shape)
-            )
-            store[bf.acc(name)] = host_to_group(np.zeros(rows, dtype), pg.stacked(mesh))
+            if level >= 2:
+                rows, sharding = (width, zero.shard_len(shape, width)), pg.stacked(mesh)
+            else:
+                rows, sharding = (width, *shape), rt.param_sharding(g, name, stacked=True)
+            store[bf.acc(name)] = host_to_group(np.zeros(rows, dtype), sharding)
     for r, g in updates(rt):
         if g in rt.local:
             program = rt.update_program(r, g)
@@ -173,7 +175,7 @@ def load_state(
     for g in rt.local:
         for name in held(rt, g):
             value = np.asarray(params[name], rt.param_avals[name][1])
-            rt.stores[g][bf.param(name)] = place_param(rt, g, value)
+            rt.stores[g][bf.param(name)] = place_param(rt, g, name, value)
     for r, g in updates(rt):
         if g not in rt.local:
             continue

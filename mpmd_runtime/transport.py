@@ -29,7 +29,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from piper_jax.ir.errors import PlanError
-from piper_jax.mpmd_runtime.programs import stacked
+from piper_jax.mpmd_runtime.programs import replicas, stacked
 
 Aval = tuple[tuple[int, ...], Any]
 _UNION = "u"
@@ -107,64 +107,80 @@ def _local_transfer(
     return reslice
 
 
+Move = tuple[int, int, int, int]  # (src replica, src offset, dst device, dst offset)
+
+
 def transfer_rounds(
-    width_src: int, rows_src: int, width_dst: int, rows_dst: int
-) -> tuple[int, list[list[tuple[int, int, int, int]]]]:
-    """How batch rows move from `width_src` replicas of `rows_src` rows each to
-    `width_dst` replicas of `rows_dst` rows each: the piece size (gcd of the row counts)
-    and rounds of (src replica, src offset, dst replica, dst offset) moves in which no
-    replica sends or receives twice."""
+    rows_src: int, rows_dst: int, dst_replicas: Sequence[int]
+) -> tuple[int, list[list[Move]]]:
+    """How batch rows move from replicas of `rows_src` rows each (replica i holds rows
+    i * rows_src ...) to devices each needing the `rows_dst` rows of their replica
+    (`dst_replicas[k]` is device k's): the piece size (gcd of the row counts) and rounds
+    of moves in which no replica sends and no device receives twice."""
     piece = math.gcd(rows_src, rows_dst)
-    total = width_src * rows_src
-    assert total == width_dst * rows_dst, (width_src, rows_src, width_dst, rows_dst)
-    rounds: list[list[tuple[int, int, int, int]]] = []
+    moves = [
+        (*divmod(replica * rows_dst + d_off, rows_src), k, d_off)
+        for k, replica in enumerate(dst_replicas)
+        for d_off in range(0, rows_dst, piece)
+    ]
+    return piece, in_rounds(moves)
+
+
+def in_rounds(moves: Sequence[Move]) -> list[list[Move]]:
+    """`moves` grouped into rounds (one ppermute each) in which no replica sends and no
+    device receives twice, greedily, in order."""
+    rounds: list[list[Move]] = []
     busy: list[tuple[set[int], set[int]]] = []
-    for start in range(0, total, piece):
-        s, s_off = divmod(start, rows_src)
-        d, d_off = divmod(start, rows_dst)
-        free = [k for k, (out, into) in enumerate(busy) if s not in out and d not in into]
-        k = free[0] if free else len(rounds)
+    for move in moves:
+        s, _, k, _ = move
+        free = [i for i, (out, into) in enumerate(busy) if s not in out and k not in into]
+        i = free[0] if free else len(rounds)
         if not free:
             rounds.append([])
             busy.append((set(), set()))
-        rounds[k].append((s, s_off, d, d_off))
-        busy[k][0].add(s)
-        busy[k][1].add(d)
-    return piece, rounds
+        rounds[i].append(move)
+        busy[i][0].add(s)
+        busy[i][1].add(k)
+    return rounds
 
 
 def _cross_process_transfer(
     src: Mesh, dst: Mesh, src_avals: Sequence[Aval], dst_avals: Sequence[Aval]
 ) -> Transfer:
-    """One jitted program over the union of both groups moving every leaf, piece by piece."""
-    n_src, n_dst = src.size, dst.size
-    mesh = Mesh(np.array(list(src.devices.flat) + list(dst.devices.flat)), (_UNION,))
+    """One jitted program over one device of each sending replica and every receiving
+    device moving every leaf, piece by piece (a tensor-parallel group holds each replica
+    whole on each of its devices: one sends it, all receive it)."""
+    senders = list(src.devices.reshape(replicas(src), -1)[:, 0])
+    receivers = list(dst.devices.flat)
+    dst_replicas = [r for r in range(replicas(dst)) for _ in range(dst.size // replicas(dst))]
+    n_src, n_all = len(senders), len(senders) + len(receivers)
+    mesh = Mesh(np.array(senders + receivers), (_UNION,))
     union = NamedSharding(mesh, P(_UNION))
     plans = []
     for (s_shape, _), (d_shape, _) in zip(src_avals, dst_avals):
-        if s_shape == d_shape:  # equal widths: replica i -> replica i, whole
-            assert n_src == n_dst, (src, dst)
-            plans.append((0, [], True))
+        if s_shape == d_shape:  # equal widths: each replica whole to its devices
+            plans.append((None, in_rounds([(r, 0, k, 0) for k, r in enumerate(dst_replicas)])))
         else:
-            piece, rounds = transfer_rounds(n_src, s_shape[1], n_dst, d_shape[1])
-            plans.append((piece, rounds, False))
+            plans.append(transfer_rounds(s_shape[1], d_shape[1], dst_replicas))
 
     def move(x: jax.Array, d_shape: tuple[int, ...], plan: tuple) -> jax.Array:
-        piece, rounds, whole = plan
+        piece, rounds = plan
         me = jax.lax.axis_index(_UNION)
         block = x[0]
-        if whole:
-            perm = [(i, n_src + i) for i in range(n_src)]
-            return jax.lax.ppermute(block, _UNION, perm)[None]
         out = jnp.zeros(d_shape[1:], x.dtype)
         for moves in rounds:
-            src_off = np.zeros(n_src + n_dst, np.int32)
-            dst_off = np.zeros(n_src + n_dst, np.int32)
-            takes = np.zeros(n_src + n_dst, bool)
+            src_off = np.zeros(n_all, np.int32)
+            dst_off = np.zeros(n_all, np.int32)
+            takes = np.zeros(n_all, bool)
             for s, s_off, d, d_off in moves:
                 src_off[s], dst_off[n_src + d], takes[n_src + d] = s_off, d_off, True
+            perm = [(s, n_src + d) for s, _, d, _ in moves]
+            if piece is None:
+                got = jax.lax.ppermute(block, _UNION, perm)
+                out = jnp.where(jnp.asarray(takes)[me], got, out)
+                continue
             part = jax.lax.dynamic_slice_in_dim(block, jnp.asarray(src_off)[me], piece, axis=0)
-            got = jax.lax.ppermute(part, _UNION, [(s, n_src + d) for s, _, d, _ in moves])
+            got = jax.lax.ppermute(part, _UNION, perm)
             placed = jax.lax.dynamic_update_slice_in_dim(out, got, jnp.asarray(dst_off)[me], 0)
             out = jnp.where(jnp.asarray(takes)[me], placed, out)
         return out[None]
@@ -178,7 +194,7 @@ def _cross_process_transfer(
             check_vma=False,
         )
     )
-    src_local = set(local_devices_of(src))
+    sending = [d for d in senders if is_local(d)]
     dst_local = local_devices_of(dst)
     dst_sharding = stacked(dst)
     # the receiving side's input is never read (nor donated): one zero buffer per leaf and
@@ -190,12 +206,14 @@ def _cross_process_transfer(
     }
 
     def transfer(xs: list[jax.Array] | None) -> tuple[list[jax.Array] | None, list]:
+        if not sending and not dst_local:
+            return None, []  # this process's devices hold copies another device sends
         inputs = []
         for k, (shape, _) in enumerate(src_avals):
-            shards = shards_by_device(xs[k]) if src_local else {}
+            shards = {d: shards_by_device(xs[k])[d] for d in sending} if sending else {}
             for d in dst_local:
                 shards[d] = placeholders[(k, d)]
-            inputs.append(from_local_shards((n_src + n_dst,) + tuple(shape[1:]), union, shards))
+            inputs.append(from_local_shards((n_all,) + tuple(shape[1:]), union, shards))
         outs = program(inputs)
         if not dst_local:
             return None, outs

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from piper_jax.mpmd_runtime import zero
 from piper_jax.mpmd_runtime.global_norm import CARRIER, carrier_gradient
-from piper_jax.mpmd_runtime.programs import AXIS, spmd, stack, unstack
+from piper_jax.mpmd_runtime.programs import AXIS, replicas, spmd, stack, unstack
 
 # (parameter names, with carrier?) -> (treedef of the model's tree cut to those leaves
 # (plus the carrier), the names in the tree's leaf order)
@@ -85,7 +85,7 @@ class UpdateProgram:
         """This replica's shards of the parameters (inside shard_map)."""
         if self.zero_level >= 3:
             return [p[0] for p in params]
-        return [zero.own_shard(p, self.mesh.size)[0] for p in params]
+        return [zero.own_shard(p, replicas(self.mesh))[0] for p in params]
 
     def _step(self, params: list, grads: list, state: Any, total_sq: Any) -> tuple:
         zero_ = jnp.zeros((), jnp.float32)

@@ -6,7 +6,15 @@ from typing import Any
 from piper_jax import distributed, schedules
 from piper_jax.annotate import annotate, annotate_module
 from piper_jax.directives import dump_directives, load_directives
-from piper_jax.directives.types import Order, Place, Recompute, Replicate, Shard, Split
+from piper_jax.directives.types import (
+    Order,
+    Place,
+    Recompute,
+    Replicate,
+    Shard,
+    ShardTensor,
+    Split,
+)
 from piper_jax.ir.errors import (
     AnnotationError,
     BatchError,
@@ -49,6 +57,19 @@ def shard(filter: dict, devices: Sequence[int], stream: str = "ep") -> Shard:
     return Shard(filter, devices, stream)
 
 
+def shard_tensor(
+    filter: dict,
+    devices: Sequence[int],
+    params: dict | None = None,
+    rules: dict | None = None,
+    stream: str = "tp",
+) -> ShardTensor:
+    """Tensor parallelism: the matched regions' parameters split over `devices` (a `tp`
+    axis), by module name (`params={"fc1": "colwise", "fc2": "rowwise"}`, Megatron
+    style) or by parameter path pattern (`rules={"embed": ["tp", None]}`)."""
+    return ShardTensor(filter, devices, params or {}, rules or {}, stream)
+
+
 def order(filters: Sequence[Any]) -> Order:
     """Run nodes matched by each group of filters before those of the next group."""
     return Order(filters)
@@ -69,6 +90,7 @@ __all__ = [
     "NonFiniteError",
     "PiperError",
     "PlanError",
+    "ShardTensor",
     "TrainStep",
     "annotate",
     "annotate_module",
@@ -83,5 +105,6 @@ __all__ = [
     "replicate",
     "schedules",
     "shard",
+    "shard_tensor",
     "split",
 ]

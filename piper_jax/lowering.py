@@ -30,7 +30,7 @@ from piper_jax.directives.types import Replicate
 from piper_jax.ir import build_dag, lift
 from piper_jax.ir.dag import NodeKind, TrainingDAG
 from piper_jax.ir.errors import AnnotationError, BatchError, DirectiveError, PiperError, PlanError
-from piper_jax.ir.layout import group_str
+from piper_jax.ir.layout import DP, group_str
 from piper_jax.ir.lift import LiftedLoss
 from piper_jax.mpmd_runtime.buffers import value_avals
 from piper_jax.mpmd_runtime.instructions import SEND
@@ -297,7 +297,7 @@ def _check_same_regions(a: LiftedLoss, b: LiftedLoss) -> None:
 
 
 def _width(plans: Plans, g: Group, size: int, m: int) -> int:
-    width = plans.meshes[g].size
+    width = plans.meshes[g].axis_size(DP)
     if size % (m * width):
         raise BatchError(
             f"batch size {size} is not divisible by num_microbatches x the replicas of "
@@ -315,11 +315,11 @@ def _check_transfers(plans: Plans, lifts: Mapping[Group, LiftedLoss]) -> None:
             if ins.op != SEND:
                 continue
             peer = tuple(ins.peer)
-            if plans.meshes[g].size == plans.meshes[peer].size:
+            wa, wb = plans.meshes[g].axis_size(DP), plans.meshes[peer].axis_size(DP)
+            if wa == wb:
                 continue
             a = [s for s, _ in value_avals(lifts[g], ins.value)]
             b = [s for s, _ in value_avals(lifts[peer], ins.value)]
-            wa, wb = plans.meshes[g].size, plans.meshes[peer].size
             for k, (sa, sb) in enumerate(zip(a, b)):
                 if not sa or not sb or sa[0] * wa != sb[0] * wb or sa[1:] != sb[1:]:
                     raise DirectiveError(

@@ -49,7 +49,7 @@ def test_unequal_groups_match_single_device(name: str) -> None:
 def test_transfer_rounds_move_every_row_once() -> None:
     """2 replicas of 6 rows -> 3 replicas of 4 rows: pieces of gcd(6, 4) = 2 rows, no
     replica sending or receiving twice in a round."""
-    piece, rounds = transfer_rounds(2, 6, 3, 4)
+    piece, rounds = transfer_rounds(6, 4, [0, 1, 2])
     assert piece == 2
     moved = sorted((s * 6 + so, d * 4 + do) for r in rounds for s, so, d, do in r)
     assert moved == [(k, k) for k in range(0, 12, 2)]

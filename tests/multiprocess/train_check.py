@@ -40,6 +40,18 @@ def strategy(name: str) -> tuple[int, list]:
         directives = [piper.place({"PP": 0}, [0]), piper.place({"PP": 1}, [2, 3])]
         directives += [piper.replicate({"PP": 1}, [2, 3], shard_params=True)]
         return 2, split + directives + schedules.one_f_one_b(2, 4)
+    if name == "tp2_spanning":  # one tensor-parallel group over both processes
+        tp = piper.shard_tensor({}, [0, 1], params={"blocks/0": "colwise", "blocks/1": "rowwise"})
+        return 2, split + [tp]
+    if name == "pp2_tp2_per_process":  # each stage tensor-parallel on one process's devices
+        directives = []
+        for s, devices in enumerate(([0, 1], [2, 3])):
+            split_as = {f"blocks/{s}": "rowwise" if s else "colwise"}
+            directives += [
+                piper.place({"PP": s}, devices),
+                piper.shard_tensor({"PP": s}, devices, params=split_as),
+            ]
+        return 2, split + directives + schedules.one_f_one_b(2, 4)
     if name == "dualpipev2":  # rank r holds stages r and 3 - r
         places = [piper.place({"PP": s}, [min(s, 3 - s)]) for s in range(4)]
         return 4, split + places + schedules.dualpipev(2, 4)
