@@ -8,6 +8,8 @@ empty step. Each strategy runs 6 rounds of one block of steps per system (see
 disk. Takes about a minute on 2 cores.
 
 Run: .venv/bin/python benchmarks/overhead_vs_pjit.py [extra compare_pjit.py flags]
+(e.g. `--strategies tp --devices 2`: tensor parallelism against the same sharding under
+pjit)
 """
 
 from __future__ import annotations

@@ -44,6 +44,17 @@ def _megatron(split: str, leaf: str, ndim: int, param: str, where: str) -> Spec:
     )
 
 
+def module_partition(name: str, ndim: int, params: dict[str, str]) -> Spec | None:
+    """A leaf's Megatron partition if `params` (module name -> colwise/rowwise) names its
+    module, else None; for baselines that shard a model the way `shard_tensor` does."""
+    parts = path_parts(name)
+    for module, split in params.items():
+        want = [c for c in module.split("/") if c]
+        if parts[:-1][-len(want) :] == want:
+            return _megatron(split, parts[-1], ndim, name, "partition")
+    return None
+
+
 def specs_of(
     directive: ShardTensor, lifted: LiftedLoss, params: Sequence[int], tp: int, where: str
 ) -> dict[int, Spec]:

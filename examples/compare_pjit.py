@@ -1,5 +1,6 @@
-"""piper-jax next to pjit: the example GPT trained under piper-jax DP and ZeRO-3, and under
-one `jax.jit` step with NamedShardings ("dp", "fsdp"), on N virtual CPU devices.
+"""piper-jax next to pjit: the example GPT trained under piper-jax DP, ZeRO-3 or tensor
+parallelism, and under one `jax.jit` step with the same NamedShardings ("dp", "fsdp",
+"tp"), on N virtual CPU devices.
 
 Each step is built from a fresh model with the same seed and compiled once. After the
 warm-up steps come --rounds rounds; in each, piper and pjit in turn (the order alternating)
@@ -19,6 +20,9 @@ import sys
 import time
 from typing import Any
 
+# the example GPT's Linear layers split as Megatron-LM splits a transformer block
+MEGATRON = {"qkv": "colwise", "attn/out": "rowwise", "fc": "colwise", "proj": "rowwise"}
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -35,7 +39,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per run (>= 1)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--strategies",
+        default="dp,zero3",
+        help="comma-separated: dp (DP), zero3 (ZeRO-3 vs FSDP), tp (tensor parallelism over "
+        "all devices, Megatron-style, vs the same sharding under pjit)",
+    )
     args = parser.parse_args(argv)
+    unknown = set(args.strategies.split(",")) - {"dp", "zero3", "tp"}
+    if unknown:
+        parser.error(f"--strategies: unknown {sorted(unknown)}; use dp, zero3, tp")
     if args.warmup < 1 or args.steps < 1 or args.rounds < 1:
         parser.error("--warmup, --steps and --rounds must be at least 1 (the first step compiles)")
     return args
@@ -138,8 +151,20 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.warmup} warm-up steps, then {args.rounds} rounds of 1 + {args.steps} "
         "steps per system"
     )
-    zero3 = dict(shard_params=True, shard_grads=True)
-    rows = [("DP", {}, "dp"), ("ZeRO-3/FSDP", zero3, "fsdp")]
+    everything = {"PP": "*"}
+    rows = {
+        "dp": ("DP", [piper.replicate(everything, devices)], {"strategy": "dp"}),
+        "zero3": (
+            "ZeRO-3/FSDP",
+            [piper.replicate(everything, devices, shard_params=True)],
+            {"strategy": "fsdp"},
+        ),
+        "tp": (
+            "TP",
+            [piper.shard_tensor(everything, devices, params=MEGATRON)],
+            {"strategy": "tp", "tensor_params": MEGATRON},
+        ),
+    }
     header = (
         f"{'strategy':<13}{'piper ms':>10}{'pjit ms':>10}{'ratio':>8}"
         f"{'piper loss':>12}{'pjit loss':>12}{'|dloss|':>10}  memory MiB params+opt piper | pjit"
@@ -148,13 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * len(header))
     block = data[args.warmup :]
     summaries = []
-    for name, flags, strategy in rows:
+    for key in args.strategies.split(","):
+        name, directives, baseline = rows[key]
         base, base_first = start(
-            lambda s=strategy: pjit_step(loss_fn, model(), optimizer, data[0], strategy=s),
+            lambda b=baseline: pjit_step(loss_fn, model(), optimizer, data[0], **b),
             data,
             args.warmup,
         )
-        directives = [piper.replicate({"PP": "*"}, devices, **flags)]
         try:
             step, piper_first = start(
                 lambda d=directives: piper.compile(loss_fn, model(), optimizer, data[0], d),

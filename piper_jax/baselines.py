@@ -23,9 +23,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from piper_jax.batching import check_batch_size
+from piper_jax.directives.tensor import module_partition
 from piper_jax.ir.errors import BatchError, DirectiveError
+from piper_jax.ir.layout import TP
+from piper_jax.param_tree import leaf_name
 
-STRATEGIES = ("dp", "fsdp")
+STRATEGIES = ("dp", "fsdp", "tp")
 AXIS = "data"
 
 
@@ -58,10 +61,11 @@ class PjitStep:
         example_batch: Any,
         devices: Sequence[jax.Device],
         strategy: str,
+        tensor_params: dict[str, str] | None = None,
     ):
         self.strategy = strategy
-        self.mesh = Mesh(np.asarray(devices), (AXIS,))
-        n = len(devices)
+        n = 1 if strategy == "tp" else len(devices)  # the data-parallel width
+        self.mesh = Mesh(np.asarray(devices).reshape(n, -1), (AXIS, TP))
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         self._graphdef, self._rest = graphdef, rest
         param_leaves, self._param_treedef = jax.tree.flatten(params)
@@ -70,13 +74,19 @@ class PjitStep:
         batch_leaves = [np.asarray(x) for _, x in batch_paths]
         self._batch_size = _batch_size(batch_leaves, self._batch_names, n, "example_batch")
 
-        def sharding(x: Any) -> NamedSharding:
+        def sharding(x: Any, name: str = "") -> NamedSharding:
             spec = fsdp_spec(np.shape(x), n) if strategy == "fsdp" else PartitionSpec()
+            if strategy == "tp":
+                split = module_partition(name, np.ndim(x), tensor_params or {})
+                spec = PartitionSpec(*split) if split else PartitionSpec()
             return NamedSharding(self.mesh, spec)
 
-        param_sh = [sharding(x) for x in param_leaves]
+        names = [leaf_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        param_sh = [sharding(x, name) for x, name in zip(param_leaves, names)]
         opt_shapes = jax.eval_shape(optimizer.init, param_leaves)
-        opt_sh = jax.tree.map(sharding, opt_shapes)
+        opt_sh = jax.tree_util.tree_map_with_path(
+            lambda path, x: sharding(x, leaf_name(path)), opt_shapes
+        )
         batch_sh = [NamedSharding(self.mesh, PartitionSpec(AXIS)) for _ in batch_leaves]
         self._batch_sh = batch_sh
         treedefs = (self._param_treedef, self._batch_treedef)
@@ -114,7 +124,7 @@ class PjitStep:
             raise BatchError(
                 f"batch structure {treedef} differs from the example batch's {self._batch_treedef}"
             )
-        size = _batch_size(leaves, self._batch_names, self.mesh.size, "batch")
+        size = _batch_size(leaves, self._batch_names, self.mesh.shape[AXIS], "batch")
         if size != self._batch_size:
             raise BatchError(
                 f"batch size {size} differs from the compiled example batch's "
@@ -154,6 +164,7 @@ def pjit_step(
     example_batch: Any,
     devices: Sequence[jax.Device] | None = None,
     strategy: str = "dp",
+    tensor_params: dict[str, str] | None = None,
 ) -> PjitStep:
     """Build and compile a one-program SPMD training step: the baseline piper-jax is timed against.
 
@@ -164,9 +175,12 @@ def pjit_step(
       example_batch: a global batch (pytree of arrays with a leading batch axis); the
         step is compiled for its shapes.
       devices: the devices of the 1-D data mesh; default `jax.devices()`.
-      strategy: "dp" (params and optimizer state replicated) or "fsdp" (each leaf
+      strategy: "dp" (params and optimizer state replicated), "fsdp" (each leaf
         sharded on its largest axis divisible by the device count, else replicated);
-        the batch is sharded on axis 0 in both.
+        the batch is sharded on axis 0 in both; or "tp" (every device one tensor-parallel
+        shard: the leaves `tensor_params` names split Megatron-style, as `shard_tensor`
+        splits them, the rest and the batch whole).
+      tensor_params: for "tp", module name -> "colwise" or "rowwise".
 
     Returns:
       A PjitStep: step(batch) -> {"loss": float}; .params(); .memory().
@@ -178,4 +192,4 @@ def pjit_step(
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise DirectiveError("pjit_step: devices is empty; pass at least one jax device")
-    return PjitStep(loss_fn, model, optimizer, example_batch, devices, strategy)
+    return PjitStep(loss_fn, model, optimizer, example_batch, devices, strategy, tensor_params)

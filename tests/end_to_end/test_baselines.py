@@ -53,3 +53,14 @@ def test_user_errors_are_piper_errors() -> None:
     step = make_step("dp")
     with pytest.raises(PiperError, match="batch size 8 differs"):
         step(mlp_batches(1, batch_size=8)[0])
+
+
+def test_pjit_tensor_parallel_splits_as_shard_tensor_does() -> None:
+    """The "tp" strategy: the leaves the Megatron map names split over the tensor axis, the rest whole."""
+    batches = mlp_batches(3)
+    split = {"blocks/0": "colwise", "blocks/1": "rowwise"}
+    step = pjit_step(mlp_loss, StageMLP(2), OPT, batches[0], jax.devices()[:2], "tp", split)
+    assert_matches_reference(step, mlp_loss, lambda: StageMLP(2), OPT, batches)
+    specs = {s.spec for s in (x.sharding for x in step._params)}
+    assert jax.sharding.PartitionSpec(None, "tp") in specs
+    assert jax.sharding.PartitionSpec("tp", None) in specs
