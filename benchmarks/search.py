@@ -5,7 +5,7 @@ should be within 10% of the best of the five.
 Each round times every candidate for a block of steps (median), the order of the
 candidates rotating between rounds; a candidate's time is the median over rounds.
 
-Run: .venv/bin/python benchmarks/search.py [--top 5] [--rounds 5] [--steps 5]
+Run: .venv/bin/python benchmarks/search.py [--top 5] [--rounds 10] [--steps 5]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from gpt import factory  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--top", type=int, default=5, help="candidates to time")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per block")
     parser.add_argument("--tolerance", type=float, default=0.10)
     args = parser.parse_args(argv)

@@ -24,13 +24,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=1500, help="training steps (default 1500)")
-    parser.add_argument("--batch-size", type=int, default=32, help="global batch size")
-    parser.add_argument("--seq-len", type=int, default=64, help="characters per sequence")
-    parser.add_argument("--d-model", type=int, default=64, help="model width")
-    parser.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    parser.add_argument("--batch-size", type=int, default=32, help="global batch (default 32)")
+    parser.add_argument("--seq-len", type=int, default=64, help="characters per sequence (64)")
+    parser.add_argument("--d-model", type=int, default=64, help="model width (default 64)")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=4,
+        help="transformer blocks (default 4, at least 1 per region)",
+    )
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout rate (default 0)")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=3e-3, help="adamw learning rate (3e-3)")
+    parser.add_argument("--seed", type=int, default=0, help="model init and data order (0)")
     group = parser.add_argument_group("strategy (or give it whole with --strategy)")
     group.add_argument("--pp", type=int, help="pipeline devices (default 2)")
     group.add_argument("--dp", type=int, help="data-parallel replicas per stage (default 2)")
@@ -74,10 +79,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=250,
         metavar="N",
-        help="print the loss on held-out text every N steps and at the end (0: never)",
+        help="print the loss on held-out text every N steps and at the end (default\n"
+        "250; 0: never)",
     )
     parser.add_argument(
-        "--sample-chars", type=int, default=80, help="characters to generate at the end (0: none)"
+        "--sample-chars", type=int, default=80, help="characters to generate at the end (80)"
     )
     parser.add_argument("--explain", action="store_true", help="print the plans first")
     parser.add_argument(
@@ -296,9 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.eval_every:
         say(f"validation loss after {args.steps} steps: {validation_loss():.3f}")
     if args.sample_chars:
-        prompt = decode(held_out[: args.seq_len // 2])
+        head = decode(held_out[:20_000])
+        start = head.find("\ndef ") + 1  # a function's first line, else the start
+        prompt = head[start : start + args.seq_len // 2]
         text = decode(generate(step.model(), encode(prompt), args.sample_chars, seed=args.seed))
-        say(f"sample (after {prompt!r}):\n{text}")
+        say(f"sample ({args.sample_chars} characters after the held-out {prompt!r}):\n{text}")
     if args.timeline:
         step.timeline(args.timeline, batch=next(data))
         say(f"measured timeline of one more step written to {args.timeline}")

@@ -149,6 +149,37 @@ def measure_regions(
     return out
 
 
+def measure_parallelism(
+    lifted: LiftedLoss, param_leaves: Sequence[Any], batch_leaves: Sequence[Any], devices: int
+) -> float:
+    """How many devices' worth of work the first `devices` devices do at once: the first
+    region's F on one device, against the same F on each of `devices` devices at once (one
+    SPMD program over them). Real accelerators give about `devices`; virtual CPU devices
+    that share a few cores give less (Note [how search predicts a strategy])."""
+    region = lifted.regions[0]  # it reads parameters and the batch only
+    every = jax.devices()[:devices]
+    if len(every) < 2:
+        return 1.0
+    params = [param_leaves[i] for i in region.param_ids]
+    batch = [np.asarray(batch_leaves[i]) for i in region.batch_ids]
+    linearize = _linearize(region, lifted)
+    alone, _ = seconds_of(jax.jit(lambda p, b: linearize(p, b, [])[0]), params, batch)
+    mesh = jax.sharding.Mesh(np.array(every), ("dp",))
+    rows, whole = jax.sharding.PartitionSpec("dp"), jax.sharding.PartitionSpec()
+    spmd = jax.jit(
+        jax.shard_map(
+            lambda p, b: [o[None] for o in linearize(p, [x[0] for x in b], [])[0]],
+            mesh=mesh,
+            in_specs=(whole, rows),
+            out_specs=rows,
+            check_vma=False,
+        )
+    )
+    stacked = [np.broadcast_to(x, (len(every), *x.shape)).copy() for x in batch]
+    together, _ = seconds_of(spmd, params, stacked)
+    return float(np.clip(len(every) * alone / together, 1.0, len(every)))
+
+
 def batch_rows(batch_leaves: Sequence[Any], rows: int, random: bool) -> list[Any]:
     """The first `rows` rows of each batch leaf, plus the random counter when the model
     draws (Note [random keys of a step])."""

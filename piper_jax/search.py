@@ -16,12 +16,17 @@ a cost per instruction:
   * an optimizer step per UPD, the time of one step over all parameters, by its share
     of the parameter bytes (ZeRO: 1/dp of it);
   * each collective and transfer, a measured dispatch latency plus its average bytes at
-    a measured bandwidth between two of the devices.
-The simulator runs device groups concurrently. On a machine whose "devices" share a few
-CPU cores that overstates what parallelism buys, so compare candidates with one another,
-not their absolute times with a wall clock; `benchmarks/search.py` measures how the
-ranking holds up. Memory is estimated without devices (region_costs.estimate_memory);
-candidates over `memory_limit` are dropped.
+    a measured bandwidth between two of the devices;
+  * every instruction besides, the dispatch of a trivial program over a device group as
+    wide as the candidate's (so many small steps cost more than few large ones).
+The simulator runs device groups concurrently, as separate accelerators do. Virtual CPU
+devices that share a few cores do not, so there the predictions are optimistic, the
+more so the more devices work at once; `search` measures and reports how many devices'
+worth of work the devices do at once (region_costs.measure_parallelism: about N on N
+accelerators). Compare candidates with one another rather than their times with a wall
+clock; `benchmarks/search.py` measures how the ranking holds up. Memory is estimated
+without devices (region_costs.estimate_memory); candidates over `memory_limit` are
+dropped.
 """
 
 from __future__ import annotations
@@ -169,7 +174,9 @@ class Result:
 
 @dataclasses.dataclass(frozen=True)
 class SearchResult:
-    """Ranked results (fastest first), the candidates dropped and why, how long it took.
+    """Ranked results (fastest first), the candidates dropped and why, how long it took,
+    and how many devices' worth of work the devices did at once (`parallelism`; the
+    device count with unit costs).
 
     Indexing and iterating go over `results`."""
 
@@ -177,6 +184,7 @@ class SearchResult:
     rejected: list[tuple[Candidate, str]]
     unit: str
     seconds: float
+    parallelism: float
 
     def __getitem__(self, i: int) -> Result:
         return self.results[i]
@@ -198,7 +206,8 @@ class SearchResult:
             )
         lines.append(
             f"{len(self.results)} candidates ranked, {len(self.rejected)} dropped, "
-            f"in {self.seconds:.1f} s"
+            f"in {self.seconds:.1f} s; the devices ran {self.parallelism:.2g}x one device's "
+            "work at once"
         )
         return "\n".join(lines)
 
@@ -246,45 +255,28 @@ def search(
     start = time.perf_counter()
     _check_args(num_devices, costs, schedules, zero_levels)
     base = lower(loss_fn, model, optimizer, example_batch, [], num_devices=1)
-    units = _stage_units(base.lifted, tag)
     size = base.batch.size
     candidates = list(
         enumerate_candidates(
-            len(units), num_devices, size, microbatches, schedules or SCHEDULES, zero_levels,
-            recompute, tag,
+            len(_stage_units(base.lifted, tag)), num_devices, size, microbatches,
+            schedules or SCHEDULES, zero_levels, recompute, tag,
         )
     )  # fmt: skip
-    params = nnx.state(model, nnx.Param)
-    param_bytes = [int(np.asarray(x).nbytes) for x in base.param_leaves]
-    timed = costs == "measured"
-    update_time, state_ratio = region_costs.optimizer_costs(optimizer, params, timed)
-    batch_leaves = jax.tree_util.tree_leaves(example_batch)
-    per_size: dict[int, dict[int, region_costs.RegionCost]] = {}
-    for rows in sorted({size // (c.microbatches * c.dp) for c in candidates}):
-        at = lower(loss_fn, model, optimizer, _rows(example_batch, rows), [], num_devices=1)
-        leaves = region_costs.batch_rows(batch_leaves, rows, base.batch.random)
-        per_size[rows] = region_costs.measure_regions(at.lifted, base.param_leaves, leaves, timed)
-    link = _link_costs(num_devices) if timed else (0.0, 0.0)
+    if not candidates:
+        raise PiperError(
+            f"no candidate strategy for {num_devices} devices and batch size {size}; "
+            "give microbatch counts that divide the batch"
+        )
+    measured = _measure(
+        loss_fn, model, optimizer, example_batch, base, candidates, costs == "measured"
+    )
     results, rejected = [], []
     for c in candidates:
-        rows = size // (c.microbatches * c.dp)
         try:
-            dag = apply_directives(
-                build_dag(base.lifted), base.lifted, c.directives(), num_devices, global_norm=True
-            )
+            result = _predict(c, base, measured, num_devices)
         except PiperError as err:
             rejected.append((c, str(err)))
             continue
-        plans = compile_plans(dag, base.lifted)
-        regions = per_size[rows]
-        table = _cost_table(c, regions, rows / (size / num_devices), timed)
-        table.update(_op_costs(dag, param_bytes, update_time, regions, link, timed))
-        sim = simulate(plans, table)
-        kept = {r: (x.input_bytes if c.recompute else x.residual_bytes) for r, x in regions.items()}
-        memory = region_costs.estimate_memory(
-            dag, base.lifted, param_bytes, state_ratio, sim.timeline, kept
-        )
-        result = Result(c, sim.step_time, sim.bubble_fraction, memory, sim)
         if memory_limit is not None and result.peak_memory > memory_limit:
             rejected.append((c, f"estimated {result.peak_memory / 2**20:.2f} MiB per device"))
             continue
@@ -293,13 +285,76 @@ def search(
         raise PiperError(
             f"no candidate strategy fits: {len(rejected)} tried, e.g. {rejected[0][0]}: "
             f"{rejected[0][1]}; raise memory_limit or allow more microbatches and recompute"
-            if rejected
-            else f"no candidate strategy for {num_devices} devices and batch size {size}; "
-            "give microbatch counts that divide the batch"
         )
     results.sort(key=_rank)
-    unit = "s" if timed else "units"
-    return SearchResult(results, rejected, unit, time.perf_counter() - start)
+    unit = "s" if measured.timed else "units"
+    elapsed = time.perf_counter() - start
+    return SearchResult(results, rejected, unit, elapsed, measured.parallelism)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Measured:
+    """What search measures once: per-replica microbatch size -> region -> RegionCost,
+    one optimizer step, the link and dispatch costs, and the devices' parallelism."""
+
+    timed: bool
+    per_size: dict[int, dict[int, region_costs.RegionCost]]
+    param_bytes: list[int]
+    update_time: float
+    state_ratio: float
+    link: tuple[float, float]
+    dispatch: dict[int, float]
+    parallelism: float
+
+
+def _measure(
+    loss_fn: Callable,
+    model: nnx.Module,
+    optimizer: optax.GradientTransformation,
+    example_batch: Any,
+    base: Any,
+    candidates: list[Candidate],
+    timed: bool,
+) -> _Measured:
+    num_devices = candidates[0].pipeline * candidates[0].dp
+    update_time, state_ratio = region_costs.optimizer_costs(
+        optimizer, nnx.state(model, nnx.Param), timed
+    )
+    batch_leaves = jax.tree_util.tree_leaves(example_batch)
+    per_size: dict[int, dict[int, region_costs.RegionCost]] = {}
+    for rows in sorted({base.batch.size // (c.microbatches * c.dp) for c in candidates}):
+        at = lower(loss_fn, model, optimizer, _rows(example_batch, rows), [], num_devices=1)
+        leaves = region_costs.batch_rows(batch_leaves, rows, base.batch.random)
+        per_size[rows] = region_costs.measure_regions(at.lifted, base.param_leaves, leaves, timed)
+    parallelism, link, dispatch = float(num_devices), (0.0, 0.0), {}
+    if timed:  # parallelism at the largest microbatch, the last one measured
+        parallelism = region_costs.measure_parallelism(
+            at.lifted, base.param_leaves, leaves, num_devices
+        )
+        link = _link_costs(num_devices)
+        dispatch = {dp: _dispatch_seconds(dp) for dp in sorted({c.dp for c in candidates})}
+    param_bytes = [int(np.asarray(x).nbytes) for x in base.param_leaves]
+    return _Measured(
+        timed, per_size, param_bytes, update_time, state_ratio, link, dispatch, parallelism
+    )
+
+
+def _predict(c: Candidate, base: Any, measured: _Measured, num_devices: int) -> Result:
+    """Lower candidate c to its plans (no programs), simulate them on the measured costs,
+    estimate its memory."""
+    lifted, size = base.lifted, base.batch.size
+    dag = apply_directives(build_dag(lifted), lifted, c.directives(), num_devices, global_norm=True)
+    rows = size // (c.microbatches * c.dp)
+    regions = measured.per_size[rows]
+    table = _cost_table(c, regions, rows / (size / num_devices), measured.timed)
+    table.update(_op_costs(dag, measured, regions))
+    table = {k: v + measured.dispatch.get(c.dp, 0.0) for k, v in table.items()}
+    sim = simulate(compile_plans(dag, lifted), table)
+    kept = {r: (x.input_bytes if c.recompute else x.residual_bytes) for r, x in regions.items()}
+    memory = region_costs.estimate_memory(
+        dag, lifted, measured.param_bytes, measured.state_ratio, sim.timeline, kept
+    )
+    return Result(c, sim.step_time, sim.bubble_fraction, memory, sim)
 
 
 def _check_args(
@@ -407,27 +462,32 @@ def _cost_table(
 
 
 def _op_costs(
-    dag: Any,
-    param_bytes: Sequence[int],
-    update_time: float,
-    regions: Mapping[int, region_costs.RegionCost],
-    link: tuple[float, float],
-    timed: bool,
+    dag: Any, measured: _Measured, regions: Mapping[int, region_costs.RegionCost]
 ) -> dict[str, float]:
     """UPD per region by parameter share; collectives and transfers by average bytes."""
-    if not timed:
+    if not measured.timed:
         return {}
-    table = {
-        f"UPD{r}": update_time * s for r, s in region_costs.update_share(dag, param_bytes).items()
-    }
-    latency, per_byte = link
+    shares = region_costs.update_share(dag, measured.param_bytes)
+    table = {f"UPD{r}": measured.update_time * share for r, share in shares.items()}
+    latency, per_byte = measured.link
     moved = np.mean([x.input_bytes for x in regions.values()])
-    grads = sum(param_bytes) / max(1, len(regions))
+    grads = sum(measured.param_bytes) / max(1, len(regions))
     for op, nbytes in (
         ("SEND", moved), ("ALL_REDUCE", grads), ("REDUCE_SCATTER", grads), ("ALL_GATHER", grads),
     ):  # fmt: skip
         table[op] = latency + nbytes * per_byte
+    table["RECV"] = 0.0
     return table
+
+
+def _dispatch_seconds(width: int) -> float:
+    """Seconds to run a trivial program over `width` devices: what every instruction
+    costs besides its work."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:width]), ("x",))
+    spec = jax.sharding.PartitionSpec("x")
+    trivial = jax.jit(jax.shard_map(lambda x: x + 1, mesh=mesh, in_specs=spec, out_specs=spec))
+    x = jax.device_put(np.zeros((width, 4), np.float32), jax.sharding.NamedSharding(mesh, spec))
+    return region_costs.seconds_of(trivial, x)[0]
 
 
 def _link_costs(num_devices: int) -> tuple[float, float]:

@@ -103,6 +103,7 @@ def test_search_ranks_drops_over_the_memory_limit_and_its_pick_trains() -> None:
     assert times == sorted(times) and len(found) > 50 and not found.rejected
     assert {r.candidate.pipeline for r in found} == {1, 2, 4}
     assert "candidates ranked, 0 dropped" in found.table(3)
+    assert found.parallelism == 4  # unit costs: the devices are taken to be independent
     peaks = sorted(r.peak_memory for r in found)
     limit = peaks[len(peaks) // 2]
     capped = piper.search(mlp_loss, StageMLP(4), optax.adam(1e-2), batch, 4, limit, costs="unit")
@@ -124,6 +125,7 @@ def test_search_on_measured_costs() -> None:
         "PP2 [0|1] x DP1, 1f1b, m=2",
     }
     assert all(0 < r.step_time < 1 for r in found)
+    assert 1 <= found.parallelism <= 2
     assert " ms " in found.table().splitlines()[0] + " "
 
 

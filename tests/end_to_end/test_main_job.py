@@ -54,21 +54,24 @@ def one_f_one_b(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
 
 
 @pytest.mark.parametrize(
-    "flags",
+    "flags, layout",
     [
-        ["--schedule", "gpipe", "--zero", "2"],
-        ["--schedule", "interleaved", "--recompute"],
-        ["--schedule", "zb-h1", "--zero", "3"],
-        ["--schedule", "dualpipev", "--zero", "1"],
+        (["--schedule", "gpipe", "--zero", "2"], "params replicated, grads flat(dp)"),
+        (["--schedule", "interleaved", "--recompute"], "params replicated, grads partial(dp)"),
+        (["--schedule", "zb-h1", "--zero", "3"], "params flat(dp), grads flat(dp)"),
+        (["--schedule", "dualpipev", "--zero", "1"], "params replicated, grads flat(dp)"),
     ],
     ids=["gpipe-zero2", "interleaved-recompute", "zb-h1-zero3", "dualpipev-zero1"],
 )
-def test_every_schedule_trains_like_1f1b(one_f_one_b: list[float], flags: list[str]) -> None:
+def test_every_schedule_trains_like_1f1b(
+    one_f_one_b: list[float], flags: list[str], layout: str
+) -> None:
     """The same model (4 blocks, cut into 2 or 4 regions) under another schedule, ZeRO
     level or recompute prints the same losses as under 1F1B from a strategy file: all
     equal one-device training."""
-    out = run(*flags, *QUIET)
+    out = run(*flags, "--explain", *QUIET)
     assert f"{flags[1]}, m=4" in out
+    assert f"on d0,2[dp=2]; {layout}" in out
     assert numbers(out) == pytest.approx(one_f_one_b, abs=2e-3), flags
 
 
@@ -87,7 +90,7 @@ def test_dropout_held_out_loss_sample_and_timeline(tmp_path) -> None:
     )  # fmt: skip
     assert re.search(r"step 1: train loss \d+\.\d+, validation loss \d+\.\d+", out), out
     assert re.search(r"validation loss after 2 steps: \d+\.\d+", out), out
-    sample = out.split("sample (after ")[1].split("):\n", 1)[1]
+    sample = out.split("sample (24 characters after the held-out ")[1].split("):\n", 1)[1]
     assert len(sample.split("\nmeasured timeline")[0]) == 24
     assert timeline.stat().st_size > 0
 
