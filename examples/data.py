@@ -53,3 +53,18 @@ def batches(
         starts = rng.integers(0, ids.size - seq_len, size=batch_size)
         windows = ids[starts[:, None] + offsets]
         yield {"tokens": windows[:, :-1], "targets": windows[:, 1:]}
+
+
+def split_held_out(ids: np.ndarray, fraction: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
+    """(training ids, held-out ids): the last `fraction` of the corpus is never trained on."""
+    cut = int(len(ids) * (1 - fraction))
+    return ids[:cut], ids[cut:]
+
+
+def fixed_batches(ids: np.ndarray, batch_size: int, seq_len: int, count: int) -> list[dict]:
+    """`count` batches of windows at evenly spaced offsets: the same every call, for a
+    validation loss comparable across steps and runs."""
+    ids = np.asarray(ids, dtype=np.int32)
+    starts = np.linspace(0, ids.size - seq_len - 1, batch_size * count).astype(np.int64)
+    windows = ids[starts[:, None] + np.arange(seq_len + 1)]
+    return [{"tokens": w[:, :-1], "targets": w[:, 1:]} for w in np.split(windows, count)]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -114,3 +115,63 @@ def loss_fn(model: GPT, batch: dict) -> jax.Array:
     """Mean next-token cross-entropy; `batch` holds int32 "tokens" and "targets" (B, T)."""
     logits = model(batch["tokens"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+def generate(
+    model: GPT, prompt: np.ndarray, num_tokens: int, temperature: float = 0.8, seed: int = 0
+) -> np.ndarray:
+    """Sample `num_tokens` ids after the int ids `prompt` (1D), in eval mode (no dropout).
+
+    One jitted loop: the context is a fixed window of seq_len ids, filled from the left;
+    causal attention makes the logits at the last filled position independent of the
+    unfilled rest, and once full the window slides by one id per sample.
+    """
+    model = nnx.merge(*nnx.split(model))  # a copy: the caller's model keeps its mode
+    model.eval()
+    graphdef, state = nnx.split(model)
+    t = model.config.seq_len
+    prompt = np.asarray(prompt, np.int32)[-t:]
+    window = np.zeros(t, np.int32)
+    window[: prompt.size] = prompt
+
+    @jax.jit
+    def run(state: nnx.State, window: jax.Array, key: jax.Array) -> jax.Array:
+        net = nnx.merge(graphdef, state)
+
+        def one(i: int, carry: tuple) -> tuple:
+            window, filled, out = carry
+            logits = net(window[None])[0, filled - 1].astype(jnp.float32)
+            token = jax.random.categorical(jax.random.fold_in(key, i), logits / temperature)
+            full = filled == t
+            window = jnp.where(full, jnp.roll(window, -1), window)
+            window = window.at[jnp.where(full, t - 1, filled)].set(token)
+            return window, jnp.minimum(filled + 1, t), out.at[i].set(token)
+
+        init = (window, jnp.int32(prompt.size), jnp.zeros(num_tokens, jnp.int32))
+        return jax.lax.fori_loop(0, num_tokens, one, init)[2]
+
+    return np.asarray(run(state, window, jax.random.key(seed)))
+
+
+def factory(
+    num_stages: int = 2,
+    n_layers: int | None = None,
+    batch_size: int = 32,
+    seq_len: int = 64,
+    d_model: int = 64,
+    dropout: float = 0.0,
+    seed: int = 0,
+) -> tuple[GPT, object, optax.GradientTransformation, dict]:
+    """(model, loss_fn, optimizer, example_batch) of the main job's model, for the `piper`
+    command line (`--model examples/gpt.py:factory`); one region per `annotate("PP", i)`,
+    `num_stages` of them (n_layers defaults to max(4, num_stages))."""
+    config = GPTConfig(
+        seq_len=seq_len,
+        d_model=d_model,
+        n_layers=n_layers or max(4, num_stages),
+        num_stages=num_stages,
+        dropout=dropout,
+    )
+    ids = np.random.default_rng(seed).integers(0, config.vocab_size, (batch_size, seq_len + 1))
+    batch = {"tokens": ids[:, :-1].astype(np.int32), "targets": ids[:, 1:].astype(np.int32)}
+    return GPT(config, rngs=nnx.Rngs(seed)), loss_fn, optax.adamw(3e-3, weight_decay=0.01), batch

@@ -5,12 +5,17 @@ semantics]) with a cost per instruction instead of running programs. It answers 
 would this strategy cost" without devices, and its timeline draws the schedule (see
 `timeline.write_timeline`). A fused step costs the sum of its instructions, which run
 back to back inside it; FREE costs nothing.
+
+A cost table names a pass or op for every region ("F", "B", "UPD", ...) or for one
+region ("F0", "B3", "BI3", "UPD1"); a region's own cost takes precedence, so regions of
+different sizes (an embedding stage, a head stage) can cost differently.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 
 from piper_jax.ir.errors import PiperError
@@ -24,6 +29,7 @@ Group = tuple[int, ...]
 PASS_KEYS = ("F", "B", "BI", "BW")
 OP_KEYS = ("UPD", "SEND", "RECV", "ALL_REDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
 COMPUTE_KINDS = frozenset({*PASS_KEYS, UPD})
+_REGION_KEY = re.compile(r"^(F|B|BI|BW|UPD)(\d+)$")
 
 
 class CostError(PiperError):
@@ -90,13 +96,15 @@ def resolve_costs(costs: Mapping[str, float]) -> dict[str, float]:
 
     B defaults to BI + BW when both are given; a missing BI or BW is B minus the other
     when that is given, else B / 2. Ops without a cost take 0. F (and B or BI + BW)
-    are only required when the plans run them.
+    are only required when the plans run them. Per-region keys ("B3") are filled in the
+    same way among themselves.
     """
     for key, value in costs.items():
-        if key not in PASS_KEYS + OP_KEYS:
+        if key not in PASS_KEYS + OP_KEYS and not _REGION_KEY.match(key):
             raise CostError(
                 f"unknown cost key {key!r}; use the passes {', '.join(PASS_KEYS)} "
-                f"or the ops {', '.join(OP_KEYS)}"
+                f"or the ops {', '.join(OP_KEYS)}, or a pass or UPD with a region index "
+                "(F0, B3, UPD1)"
             )
         if (
             isinstance(value, bool)
@@ -106,20 +114,29 @@ def resolve_costs(costs: Mapping[str, float]) -> dict[str, float]:
         ):
             raise CostError(f"cost of {key!r} must be a finite number >= 0, got {value!r}")
     out = {k: float(v) for k, v in costs.items()}
-    if "B" not in out and "BI" in out and "BW" in out:
-        out["B"] = out["BI"] + out["BW"]
-    if "B" in out:
-        for part, other in (("BI", "BW"), ("BW", "BI")):
-            if part not in out:
-                out[part] = out["B"] - out[other] if other in costs else out["B"] / 2
-                if out[part] < 0:
-                    raise CostError(
-                        f"cost of {other!r} ({out[other]:g}) exceeds that of 'B' "
-                        f"({out['B']:g}); give {part!r} too"
-                    )
+    regions = {m.group(2) for m in map(_REGION_KEY.match, costs) if m}
+    for suffix in ("", *sorted(regions, key=int)):
+        _fill_backward(out, costs, suffix)
     for key in OP_KEYS:
         out.setdefault(key, 0.0)
     return out
+
+
+def _fill_backward(out: dict[str, float], given: Mapping[str, float], suffix: str) -> None:
+    """B, BI and BW of one region (suffix "3") or of every region (suffix "")."""
+    b, bi, bw = (f"{p}{suffix}" for p in ("B", "BI", "BW"))
+    if b not in out and bi in out and bw in out:
+        out[b] = out[bi] + out[bw]
+    if b not in out:
+        return
+    for part, other in ((bi, bw), (bw, bi)):
+        if part not in out:
+            out[part] = out[b] - out[other] if other in given else out[b] / 2
+            if out[part] < 0:
+                raise CostError(
+                    f"cost of {other!r} ({out[other]:g}) exceeds that of {b!r} "
+                    f"({out[b]:g}); give {part!r} too"
+                )
 
 
 def _kind(ins: Instruction) -> str:
@@ -128,11 +145,13 @@ def _kind(ins: Instruction) -> str:
 
 def _cost(costs: dict[str, float], ins: Instruction) -> float:
     key = _kind(ins)
+    if ins.op in (RUN, UPD) and f"{key}{ins.region}" in costs:
+        return costs[f"{key}{ins.region}"]
     if key not in costs:
         given = ", ".join(sorted(k for k in costs if k in PASS_KEYS)) or "none"
         raise CostError(
             f"the plans run {ins} but costs has no {key!r} (passes given: {given}); "
-            f"add {key!r} to the cost table"
+            f"add {key!r} (or {key}{ins.region}) to the cost table"
         )
     return costs[key]
 
@@ -147,7 +166,8 @@ def simulate(
     Args:
       plans: the compiled plans.
       costs: time per pass {"F", "B", "BI", "BW"} and, optionally, per op {"UPD",
-        "SEND", "RECV", "ALL_REDUCE", ...}; ops default to 0.
+        "SEND", "RECV", "ALL_REDUCE", ...}; ops default to 0. A pass or UPD may also
+        be given per region ("F0", "B3", "UPD1"), which takes precedence.
       transfer_latency: added between the end of a SEND and the start of its RECV.
 
     Returns:
@@ -186,14 +206,20 @@ def simulate(
     return Simulation(step_time, bubble, idle, peak_activations(timeline, groups), timeline)
 
 
-def peak_activations(timeline: list[TimelineEvent], groups: list[Group]) -> dict[Group, int]:
-    """Per group, the most forward activations alive at once (F start to last backward end)."""
-    born: dict[Group, dict[tuple[str, int | None], float]] = {g: {} for g in groups}
-    dies: dict[Group, dict[tuple[str, int | None], float]] = {g: {} for g in groups}
+def peak_activations(
+    timeline: list[TimelineEvent],
+    groups: list[Group],
+    sizes: Mapping[int, float] | None = None,
+) -> dict[Group, float]:
+    """Per group, the most forward activations alive at once (F start to last backward
+    end): counted, or weighed by `sizes` (per region index, e.g. the bytes one F of it
+    keeps for its backward)."""
+    born: dict[Group, dict[tuple[int, int | None], float]] = {g: {} for g in groups}
+    dies: dict[Group, dict[tuple[int, int | None], float]] = {g: {} for g in groups}
     for e in timeline:
         if e.kind not in PASS_KEYS:
             continue
-        key = (e.label[len(e.kind) :].split(".")[0], e.microbatch)
+        key = (int(e.label[len(e.kind) :].split(".")[0]), e.microbatch)
         if e.kind == "F":
             born[e.group][key] = e.start
             dies[e.group].setdefault(key, e.end)
@@ -201,10 +227,13 @@ def peak_activations(timeline: list[TimelineEvent], groups: list[Group]) -> dict
             dies[e.group][key] = max(dies[e.group].get(key, e.end), e.end)
     peaks = {}
     for g in groups:
-        # at equal times a release comes before an allocation (-1 sorts before +1)
-        changes = sorted([(t, 1) for t in born[g].values()] + [(dies[g][k], -1) for k in born[g]])
+        # at equal times a release comes before an allocation (negative sorts first)
+        changes = []
+        for key, t in born[g].items():
+            weight = 1 if sizes is None else sizes[key[0]]
+            changes += [(t, 1, weight), (dies[g][key], -1, -weight)]
         alive = peak = 0
-        for _, delta in changes:
+        for _, _, delta in sorted(changes):
             alive += delta
             peak = max(peak, alive)
         peaks[g] = peak

@@ -24,6 +24,7 @@ from piper_jax.ir.errors import (
     PlanError,
 )
 from piper_jax.lowering import Lowered, lower
+from piper_jax.search import SearchResult, search
 from piper_jax.train_step import NonFiniteError, TrainStep, compile
 
 
@@ -104,6 +105,8 @@ __all__ = [
     "recompute",
     "replicate",
     "schedules",
+    "search",
+    "SearchResult",
     "shard",
     "shard_tensor",
     "split",
