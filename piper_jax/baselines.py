@@ -83,9 +83,15 @@ class PjitStep:
 
         names = [leaf_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
         param_sh = [sharding(x, name) for x, name in zip(param_leaves, names)]
+        # the optimizer's copies of the parameters split as the parameters, the rest whole
+        replicated = NamedSharding(self.mesh, PartitionSpec())
         opt_shapes = jax.eval_shape(optimizer.init, param_leaves)
-        opt_sh = jax.tree_util.tree_map_with_path(
-            lambda path, x: sharding(x, leaf_name(path)), opt_shapes
+        opt_sh = optax.tree_map_params(
+            optimizer,
+            lambda _, sh: sh,
+            opt_shapes,
+            param_sh,
+            transform_non_params=lambda _: replicated,
         )
         batch_sh = [NamedSharding(self.mesh, PartitionSpec(AXIS)) for _ in batch_leaves]
         self._batch_sh = batch_sh
@@ -100,7 +106,6 @@ class PjitStep:
             updates, opt_state = optimizer.update(grads, opt_state, p_leaves)
             return optax.apply_updates(p_leaves, updates), opt_state, loss
 
-        replicated = NamedSharding(self.mesh, PartitionSpec())
         jitted = jax.jit(
             step,
             in_shardings=(param_sh, opt_sh, batch_sh),

@@ -64,3 +64,6 @@ def test_pjit_tensor_parallel_splits_as_shard_tensor_does() -> None:
     specs = {s.spec for s in (x.sharding for x in step._params)}
     assert jax.sharding.PartitionSpec(None, "tp") in specs
     assert jax.sharding.PartitionSpec("tp", None) in specs
+    # the optimizer's moments are split as their parameters
+    opt_specs = {x.sharding.spec for x in jax.tree.leaves(step._opt_state)}
+    assert jax.sharding.PartitionSpec(None, "tp") in opt_specs
