@@ -167,11 +167,10 @@ class MoE(nnx.Module):
         earlier = jnp.cumsum(by_priority, axis=1) - by_priority
         earlier = earlier.reshape(b, cfg.top_k, s, cfg.experts).transpose(0, 2, 1, 3)
         slot = jnp.sum(earlier * chosen, axis=-1).astype(jnp.int32)  # (B, S, k)
-        capacity = expert_capacity(cfg, s)
-        kept = chosen * (slot < capacity)[..., None]  # dropped choices: all zero
-        slots = jax.nn.one_hot(slot, capacity, dtype=jnp.float32)  # (B, S, k, C); 0 if >= C
-        dispatch = jnp.einsum("bske,bskc->bsec", kept, slots)
-        combine = jnp.einsum("bske,bsk,bskc->bsec", kept, gates, slots)
+        # (B, S, k, C); a slot >= C has an all-zero row: that choice is dropped.
+        slots = jax.nn.one_hot(slot, expert_capacity(cfg, s), dtype=jnp.float32)
+        dispatch = jnp.einsum("bske,bskc->bsec", chosen, slots)
+        combine = jnp.einsum("bske,bsk,bskc->bsec", chosen, gates, slots)
         share = chosen.sum(axis=(1, 2)) / (s * cfg.top_k)  # (B, E)
         aux = cfg.experts * jnp.sum(share * probs.mean(axis=1), axis=-1)
         return dispatch.astype(x.dtype), combine.astype(x.dtype), aux
