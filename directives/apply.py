@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from piper_jax.directives import zero
 from piper_jax.directives.backward_split import backwards_to_split, split_backward_nodes
 from piper_jax.directives.coverage import check_schedule_coverage
+from piper_jax.directives.experts import apply_shards
 from piper_jax.directives.gradients import insert_updates
 from piper_jax.directives.order import apply_orders
 from piper_jax.directives.place import apply_places, check_placement
@@ -47,8 +48,6 @@ def check_directives(directives: Sequence[object]) -> list:
                 f"directive {i} is {d!r}, not a directive: build it with piper_jax.split, "
                 "place, replicate, shard, order, recompute or a schedule builder"
             )
-        if isinstance(d, Shard):
-            raise DirectiveError(f"directive {i} (shard) is not supported yet")
         out.append(d)
     splits = [d for d in out if isinstance(d, Split)]
     if len(splits) > 1:
@@ -90,8 +89,9 @@ def apply_directives(
     dag = apply_replicates(dag, [d for d in directives if isinstance(d, Replicate)], num_devices)
     tensors = [d for d in directives if isinstance(d, ShardTensor)]
     dag = apply_shard_tensors(dag, lifted, tensors, num_devices)
+    dag = apply_shards(dag, lifted, [d for d in directives if isinstance(d, Shard)], num_devices)
     dag = check_placement(
-        dag, any(isinstance(d, (Place, Replicate, ShardTensor)) for d in directives)
+        dag, any(isinstance(d, (Place, Replicate, ShardTensor, Shard)) for d in directives)
     )
     if forward_only:
         zero.insert_gathers(dag, lifted)

@@ -72,7 +72,7 @@ def insert_updates(dag: TrainingDAG, lifted: LiftedLoss, global_norm: bool = Fal
         if n.pass_ not in WEIGHT_GRAD_PASSES:
             continue
         params = lifted.regions[n.region].param_ids
-        if layout[n.region].zero_level >= 2:
+        if layout[n.region].zero_level >= 2 and params:  # a region without weights has none
             for rs in zero.insert_reduce_scatters(dag, n, params, nbytes):
                 for p in rs.params:
                     sources.setdefault((p, n.region), []).append(rs.uid)

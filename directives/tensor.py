@@ -99,23 +99,24 @@ def specs_of(
     return out
 
 
-def tensor_mesh(node: Node, devices: tuple[int, ...], where: str) -> DeviceMesh:
-    """The node's group as dp x tp, with `devices` one run of tp consecutive devices."""
+def inner_mesh(node: Node, devices: tuple[int, ...], where: str, axis: str = TP) -> DeviceMesh:
+    """The node's group as dp x `axis` (tp or ep), with `devices` one run of consecutive
+    devices of the group."""
     group = node.devices or devices
-    tp = len(devices)
-    runs = [group[i : i + tp] for i in range(0, len(group), tp)]
-    if len(group) % tp or devices not in runs:
+    width = len(devices)
+    runs = [group[i : i + width] for i in range(0, len(group), width)]
+    if len(group) % width or devices not in runs:
         raise DirectiveError(
             f"{where}: devices {list(devices)} are not a run of consecutive devices of the "
-            f"region's group {list(group)}; a group of n devices splits into n / tp runs, "
-            f"e.g. {[list(r) for r in runs]}"
+            f"region's group {list(group)}; a group of n devices splits into n / {axis} "
+            f"runs, e.g. {[list(r) for r in runs]}"
         )
-    if node.mesh is not None and not node.mesh.axes and len(group) > tp:
+    if node.mesh is not None and not node.mesh.axes and len(group) > width:
         raise DirectiveError(
-            f"{where}: the region's group {list(group)} is larger than its tensor-parallel "
-            "devices; replicate it over the group to make the rest data-parallel replicas"
+            f"{where}: the region's group {list(group)} is larger than its {axis} devices; "
+            "replicate it over the group to make the rest data-parallel replicas"
         )
-    return DeviceMesh(group, ((DP, len(group) // tp), (TP, tp)))
+    return DeviceMesh(group, ((DP, len(group) // width), (axis, width)))
 
 
 def apply_shard_tensors(
@@ -144,6 +145,6 @@ def apply_shard_tensors(
                 sorted((p, s) for p, s in specs.items() if p in lifted.regions[n.region].param_ids)
             )
             layout = dataclasses.replace(n.param_layout, tensor=mine)
-            mesh = tensor_mesh(n, directive.devices, where)
+            mesh = inner_mesh(n, directive.devices, where)
             dag.replace(dataclasses.replace(n, mesh=mesh, param_layout=layout))
     return dag

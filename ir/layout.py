@@ -32,6 +32,9 @@ from piper_jax.ir.errors import DirectiveError
 
 DP = "dp"
 TP = "tp"
+EP = "ep"
+# the axes a replica's program leaves to XLA to partition (Note [replicas as a leading axis])
+INNER_AXES = (TP, EP)
 
 
 def group_str(devices: tuple[int, ...] | list[int]) -> str:
@@ -118,7 +121,8 @@ class ParamLayout:
         all-gathered around every use).
       bucket_mb: gradient collectives are cut into buckets of at most this many MB.
       tensor: (parameter, partition) pairs: the parameters split over the group's `tp`
-        axis (`shard_tensor`), each with a "tp" or None per dimension.
+        axis (`shard_tensor`) or `ep` axis (`shard`: experts first), each with an axis
+        name or None per dimension.
     """
 
     zero_level: int = 0
@@ -140,5 +144,6 @@ class ParamLayout:
     def __str__(self) -> str:
         text = f"params {self.params}, grads {self.grads}, optimizer state {self.state}"
         if self.tensor:
-            text += f", {len(self.tensor)} params split over tp"
+            axes = sorted({a for _, spec in self.tensor for a in spec if a})
+            text += f", {len(self.tensor)} params split over {'/'.join(axes)}"
         return text + (f", buckets of {self.bucket_mb:g} MB" if self.bucket_mb else "")

@@ -143,7 +143,11 @@ def gather_piece(rt: Runtime, g: Group, ins: Instruction) -> Piece:
     if ins.value.startswith("param[UPD"):  # ZeRO-2: the updated shards become parameters
 
         def gather_updated(env: Env) -> Env:
-            return dict(zip(access.writes, program(env[access.reads[0]])))
+            whole = program(env[access.reads[0]])
+            return {  # held as the group holds them: split over tp or ep where so told
+                b: jax.lax.with_sharding_constraint(v, rt.param_sharding(g, b.name))
+                for b, v in zip(access.writes, whole)
+            }
 
         return Piece(access, gather_updated)
 

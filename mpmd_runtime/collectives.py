@@ -27,7 +27,7 @@ from piper_jax.mpmd_runtime import zero
 from piper_jax.mpmd_runtime.programs import (
     AXIS,
     group_mesh,
-    has_tensor_axis,
+    inner_axis,
     replicas,
     replicated,
     spmd,
@@ -43,7 +43,7 @@ def sum_replicas(xs: Sequence[jax.Array], mesh: Mesh) -> list[jax.Array]:
     XLA compiles much faster than the same sum partitioned from global arrays)."""
 
     def per_replica(rows: list) -> list:
-        if has_tensor_axis(mesh):  # split over tp: concatenating would gather them first
+        if inner_axis(mesh):  # split over tp or ep: concatenating would gather them first
             return [jax.lax.psum(r[0], AXIS) for r in rows]
         out: list[Any] = [None] * len(rows)
         for idx in zero.dtype_groups(rows):

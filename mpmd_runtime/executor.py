@@ -24,7 +24,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from piper_jax.ir.errors import PiperError
-from piper_jax.ir.lift import LiftedLoss
+from piper_jax.ir.layout import EP, group_str
+from piper_jax.ir.lift import LiftedLoss, Region
 from piper_jax.mpmd_runtime import binders, state
 from piper_jax.mpmd_runtime import buffers as bf
 from piper_jax.mpmd_runtime import programs as pg
@@ -98,6 +99,18 @@ class Runtime:
     def param_dtype(self, name: str) -> Any:
         return self.param_avals[name][1]
 
+    def experts(self, region: Region, g: Group) -> int | None:
+        """How many experts `region` holds split over g's `ep` axis (None: not experts)."""
+        specs = self.plans.tensor.get(g, {})
+        return next(
+            (
+                s[0]
+                for p, (s, _) in zip(region.param_ids, region.in_shapes)
+                if specs.get(p, (None,))[0] == EP
+            ),
+            None,
+        )
+
     def programs(self, region: int, g: Group) -> pg.RegionPrograms:
         if (region, g) not in self._programs:
             lifted = self.lifts[g]
@@ -107,6 +120,7 @@ class Runtime:
                 self.meshes[g],
                 self.loss_seed,
                 region in self.ctx.recompute,
+                self.experts(lifted.regions[region], g),
             )
         return self._programs[(region, g)]
 
@@ -180,6 +194,7 @@ class Executor:
         self.losses: list[jax.Array] = []
         self.grad_norm: jax.Array | None = None
         self._unit_programs: dict[tuple, Callable] = {}
+        self._unit_args: dict[tuple, tuple[str, Any]] = {}  # key -> (step, argument avals)
         self._last_read: dict[Group, dict[bf.Buffer, int]] = {}
         self.step_events: list[Event] = [e for e in plans.order if self._takes_part(e)]
         self.steps: list[Closure] = [self._bind(e) for e in self.step_events]
@@ -264,8 +279,14 @@ class Executor:
         consumed_values = [b for b in kept if b in consumed]  # residuals: dropped after use
         store, losses = self.rt.stores[g], self.losses
 
+        unit_args = self._unit_args
+        label = f"{group_str(g)}: {step}"
+
         def run() -> Any:
-            values = jitted([store.pop(b) for b in donated], [store[b] for b in kept])
+            args = ([store.pop(b) for b in donated], [store[b] for b in kept])
+            if key not in unit_args:  # once per program, for `program_texts`
+                unit_args[key] = (label, jax.tree.map(_aval, args))
+            values = jitted(*args)
             for b in consumed_values:
                 store.pop(b, None)
             for b, v in zip(outputs, values):
@@ -276,6 +297,15 @@ class Executor:
             return values
 
         return run
+
+    def program_texts(self) -> dict[str, str]:
+        """The optimized HLO of every distinct program that has run, by the first plan
+        step that ran it ("d0,1: F0.0 + B1.1"): to check what XLA made of a step, e.g.
+        where it scheduled a collective."""
+        return {
+            label: self._unit_programs[key].lower(*args).compile().as_text()
+            for key, (label, args) in self._unit_args.items()
+        }
 
     def _last_reads(self, g: Group) -> dict[bf.Buffer, int]:
         """The last step of g that reads each buffer (values are written once)."""
@@ -454,6 +484,13 @@ class Executor:
 
 
 _MICROBATCH = re.compile(r"\.(\d+)")
+
+
+def _aval(x: jax.Array) -> jax.ShapeDtypeStruct:
+    """x's shape, dtype and placement on a group (a value left on one device, such as a
+    fresh optimizer's step count, goes wherever the program runs)."""
+    sharding = x.sharding if isinstance(x.sharding, NamedSharding) else None
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
 def _signature(g: Group, step: Step, *buffers: list[bf.Buffer]) -> tuple:

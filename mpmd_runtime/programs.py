@@ -7,6 +7,15 @@ accumulators, the batch) are stacked on a leading axis of size dp sharded over `
 parameters are replicated. So one dispatch serves all replicas, and a group of one
 device is the same code with dp = 1.
 
+Note [experts over ep]
+In a `dp x ep` group every device of a replica's `ep` run takes its own rows of the
+replica's batch, and the expert regions hold their experts split over `ep` too. Values
+enter and leave a region split by batch row, except an expert region's (batch, experts,
+...) values, which are split by expert. Between the two layouts XLA moves each token to
+the device of its expert and back: the all-to-all dispatch and combine, inside the
+programs that need them, so a fused overlap unit can run one microbatch's all-to-all
+beside another's compute.
+
 Note [residuals hold activations only]
 F keeps for its backward what `jax.vjp` needs, except the region's parameters: a residual
 leaf that *is* a parameter is dropped, and every backward pass takes the parameters as an
@@ -27,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from piper_jax.ir.backward_split import split_backward
-from piper_jax.ir.layout import DP, TP
+from piper_jax.ir.layout import DP, EP, INNER_AXES, TP
 from piper_jax.ir.lift import LiftedLoss, Region
 
 AXIS = DP
@@ -47,8 +56,9 @@ def replicas(mesh: Mesh) -> int:
     return mesh.shape[AXIS]
 
 
-def has_tensor_axis(mesh: Mesh) -> bool:
-    return TP in mesh.axis_names
+def inner_axis(mesh: Mesh) -> str | None:
+    """The axis XLA partitions inside each replica (`tp` or `ep`), if the mesh has one."""
+    return next((a for a in INNER_AXES if a in mesh.axis_names), None)
 
 
 def stacked(mesh: Mesh) -> NamedSharding:
@@ -80,12 +90,26 @@ def spmd(fn: Callable, mesh: Mesh, in_specs: tuple, out_specs: Any) -> Callable:
     )
 
 
-def whole_over_tp(tree: Any, mesh: Mesh) -> Any:
-    """Inside a replica: values leaving a region whole on every tensor-parallel device
-    (what another group receives or a cotangent it adds up), not split as XLA chose."""
-    if not has_tensor_axis(mesh):
+def leaving(tree: Any, mesh: Mesh, experts: int | None = None) -> Any:
+    """Inside a replica: the layout of values leaving (or entering) a region.
+
+    Over `tp` they are whole on every device (what another group receives or a cotangent
+    it adds up), not split as XLA chose. Over `ep` they are split by batch row, each device
+    working on its own tokens (Note [experts over ep]); in an expert region, the values
+    laid out (batch, experts, ...) are split by expert instead."""
+    axis = inner_axis(mesh)
+    if axis is None:
         return tree
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P()), tree)
+    width = mesh.shape[axis]
+
+    def spec(x: jax.Array) -> P:
+        if axis == TP:
+            return P()
+        if experts and x.ndim >= 2 and x.shape[1] == experts:
+            return P(None, EP)
+        return P(EP) if x.ndim and x.shape[0] % width == 0 else P()
+
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, spec(x)), tree)
 
 
 def cotangent_sources(lifted: LiftedLoss, region: Region) -> list[list[tuple[int, int]]]:
@@ -105,25 +129,40 @@ def cotangent_sources(lifted: LiftedLoss, region: Region) -> list[list[tuple[int
 class RegionPrograms:
     """The passes of one region on one device group, as functions of global arrays.
 
-    Each pass is a `shard_map` over the group's mesh; parameters come in replicated and
-    whole (a ZeRO-3 group gathers them first), everything else stacked per replica. A
-    weight-gradient pass adds its gradients to the accumulators it is given, or, given
-    none (ZeRO), returns them for the reduce-scatter.
+        Each pass is a `shard_map` over the group's mesh; parameters come in replicated and
+        whole (a ZeRO-3 group gathers them first), everything else stacked per replica. A
+        weight-gradient pass adds its gradients to the accumulators it is given, or, given
+        none (ZeRO), returns them for the reduce-scatter.
 
-      forward(params, batch, acts)                  -> (outputs, residuals)
-      evaluate(params, batch, acts)                 -> outputs
-      backward(params, residuals, cots[, acc])      -> (input cotangents, acc or grads)
-      backward_input(params, residuals, cots)       -> (input cotangents, cross values)
-      backward_weight(params, residuals, cross[, acc]) -> acc or grads
+          forward(params, batch, acts)                  -> (outputs, residuals)
+          evaluate(params, batch, acts)                 -> outputs
+          backward(params, residuals, cots[, acc])      -> (input cotangents, acc or grads)
+          backward_input(params, residuals, cots)       -> (input cotangents, cross values)
+          backward_weight(params, residuals, cross[, acc]) -> acc or grads
 
-    Under `recompute` the residuals are the region's inputs and the backward runs the
-    forward again. See Note [residuals hold activations only].
+        Under `recompute` the residuals are the region's inputs and the backward runs the
+        forward again. See Note [experts over ep]
+    In a `dp x ep` group every device of a replica's `ep` run takes its own rows of the
+    replica's batch, and the expert regions hold their experts split over `ep` too. Values
+    enter and leave a region split by batch row, except an expert region's (batch, experts,
+    ...) values, which are split by expert. Between the two layouts XLA moves each token to
+    the device of its expert and back: the all-to-all dispatch and combine, inside the
+    programs that need them, so a fused overlap unit can run one microbatch's all-to-all
+    beside another's compute.
+
+    Note [residuals hold activations only].
     """
 
     def __init__(
-        self, region: Region, lifted: LiftedLoss, mesh: Mesh, loss_seed: float, recompute: bool
+        self,
+        region: Region,
+        lifted: LiftedLoss,
+        mesh: Mesh,
+        loss_seed: float,
+        recompute: bool,
+        experts: int | None = None,
     ):
-        self.region, self.lifted, self.mesh = region, lifted, mesh
+        self.region, self.lifted, self.mesh, self.experts = region, lifted, mesh, experts
         self.loss_seed, self.recompute = loss_seed, recompute
         self.float_in = [
             lifted.regions[a.region].out_is_float(a.position) for a in region.act_inputs
@@ -150,7 +189,16 @@ class RegionPrograms:
 
     def _residual_structure(self) -> tuple[Any, dict[int, int], int]:
         """The VJP's treedef, which of its leaves are parameters (leaf -> param index), and
-        its leaf count (Note [residuals hold activations only])."""
+                its leaf count (Note [experts over ep]
+        In a `dp x ep` group every device of a replica's `ep` run takes its own rows of the
+        replica's batch, and the expert regions hold their experts split over `ep` too. Values
+        enter and leave a region split by batch row, except an expert region's (batch, experts,
+        ...) values, which are split by expert. Between the two layouts XLA moves each token to
+        the device of its expert and back: the all-to-all dispatch and combine, inside the
+        programs that need them, so a fused overlap unit can run one microbatch's all-to-all
+        beside another's compute.
+
+        Note [residuals hold activations only])."""
         found: dict[str, Any] = {}
         n_p, n_b = len(self.region.param_ids), len(self.region.batch_ids)
 
@@ -213,17 +261,20 @@ class RegionPrograms:
             seeds.append(total)
         return seeds
 
+    def _laid_out(self, tree: Any) -> Any:
+        return leaving(tree, self.mesh, self.experts)
+
     def _forward(self, params: list, batch: list, acts: list) -> tuple:
-        batch, acts = unstack(batch), unstack(acts)
+        batch, acts = self._laid_out((unstack(batch), unstack(acts)))
         if self.recompute:
             outs = self.region.fn(params, batch, acts)
-            return stack(whole_over_tp(outs, self.mesh)), stack((batch, acts))
+            return stack(self._laid_out(outs)), stack((batch, acts))
         outs, vjp = self._linearize(params, batch, acts)
-        return stack(whole_over_tp(outs, self.mesh)), stack(self._kept(vjp))
+        return stack(self._laid_out(outs)), stack(self._kept(vjp))
 
     def _evaluate(self, params: list, batch: list, acts: list) -> list:
-        outs = self.region.fn(params, unstack(batch), unstack(acts))
-        return stack(whole_over_tp(outs, self.mesh))
+        batch, acts = self._laid_out((unstack(batch), unstack(acts)))
+        return stack(self._laid_out(self.region.fn(params, batch, acts)))
 
     def _vjp(self, params: list, res: Any) -> Any:
         if self.recompute:
@@ -233,7 +284,7 @@ class RegionPrograms:
 
     def _backward(self, params: list, res: Any, cots: list, *acc: list) -> tuple:
         g_params, g_acts = self._vjp(params, res)(self._seeds(unstack(cots)))
-        return stack(whole_over_tp(list(g_acts), self.mesh)), self._gradients(g_params, acc)
+        return stack(self._laid_out(list(g_acts))), self._gradients(g_params, acc)
 
     def _gradients(self, g_params: Sequence[Any], acc: tuple) -> list:
         if not acc:
@@ -259,7 +310,7 @@ class RegionPrograms:
         bi, _, num_cross = self._split
         outs = bi(*self._leaves(params, unstack(res)), *self._seeds(unstack(cots)))
         n_acts = len(outs) - num_cross
-        return stack(whole_over_tp(outs[:n_acts], self.mesh)), stack(outs[n_acts:])
+        return stack(self._laid_out(outs[:n_acts])), stack(outs[n_acts:])
 
     def _backward_weight(self, params: list, res: list, cross: list, *acc: list) -> list:
         g_params = self._split[1](*self._leaves(params, unstack(res)), *unstack(cross))

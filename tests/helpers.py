@@ -15,18 +15,40 @@ from piper_jax import annotate
 
 
 class StageMLP(nnx.Module):
-    """num_stages residual MLP blocks, each its own PP region, with a tied in/out matrix."""
+    """num_stages residual MLP blocks, each its own PP region, with a tied in/out matrix.
 
-    def __init__(self, num_stages: int = 2, width: int = 16, rngs: nnx.Rngs | None = None):
+    With `experts` E, each block ends in a toy expert layer: the features cut into E
+    chunks are the tokens "dispatched" as (batch, E, 1, width / E) to E experts (weights
+    stacked experts first), in a nested {EP: s} region."""
+
+    def __init__(
+        self,
+        num_stages: int = 2,
+        width: int = 16,
+        rngs: nnx.Rngs | None = None,
+        experts: int = 0,
+    ):
         rngs = rngs or nnx.Rngs(0)
         self.embed = nnx.Param(jax.random.normal(rngs.params(), (8, width)) * 0.3)
         self.blocks = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(num_stages)])
+        self.num_experts = experts
+        chunk = (experts, width // max(experts, 1), width // max(experts, 1))
+        self.experts = nnx.List(
+            [nnx.Param(jax.random.normal(rngs.params(), chunk) * 0.3) for _ in range(num_stages)]
+            if experts
+            else []
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = x @ self.embed[...]
         for s, block in enumerate(self.blocks):
             with annotate("PP", s):
                 h = h + jnp.tanh(block(h))
+                if self.num_experts:
+                    tokens = h.reshape(h.shape[0], self.num_experts, 1, -1)
+                    with annotate("EP", s):
+                        out = jnp.tanh(jnp.einsum("becd,edf->becf", tokens, self.experts[s][...]))
+                    h = h + out.reshape(h.shape)
         return h @ self.embed[...].T
 
 
@@ -87,12 +109,17 @@ def check_mlp_strategy(
     optimizer: optax.GradientTransformation,
     num_stages: int = 2,
     batches: list | None = None,
+    experts: int = 0,
 ) -> Any:
-    """Compile StageMLP(num_stages) under `directives`, train it on `batches` (3 default
-    ones) and assert the single-device oracle; returns the step for further checks."""
+    """Compile StageMLP(num_stages, experts=experts) under `directives`, train it on
+    `batches` (3 default ones) and assert the single-device oracle; returns the step."""
     batches = batches or mlp_batches(3)
-    step = piper.compile(mlp_loss, StageMLP(num_stages), optimizer, batches[0], directives)
-    assert_matches_reference(step, mlp_loss, lambda: StageMLP(num_stages), optimizer, batches)
+
+    def make() -> StageMLP:
+        return StageMLP(num_stages, experts=experts)
+
+    step = piper.compile(mlp_loss, make(), optimizer, batches[0], directives)
+    assert_matches_reference(step, mlp_loss, make, optimizer, batches)
     return step
 
 

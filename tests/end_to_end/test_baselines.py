@@ -56,7 +56,7 @@ def test_user_errors_are_piper_errors() -> None:
 
 
 def test_pjit_tensor_parallel_splits_as_shard_tensor_does() -> None:
-    """The "tp" strategy: the leaves the Megatron map names split over the tensor axis, the rest whole."""
+    """The "tp" strategy: the leaves the Megatron map names split over tp, the rest whole."""
     batches = mlp_batches(3)
     split = {"blocks/0": "colwise", "blocks/1": "rowwise"}
     step = pjit_step(mlp_loss, StageMLP(2), OPT, batches[0], jax.devices()[:2], "tp", split)
