@@ -29,7 +29,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from piper_jax.ir.errors import PlanError
-from piper_jax.mpmd_runtime.programs import replicas, stacked
+from piper_jax.ir.layout import EP
+from piper_jax.mpmd_runtime.programs import inner_axis, replicas, stacked
 
 Aval = tuple[tuple[int, ...], Any]
 _UNION = "u"
@@ -205,7 +206,13 @@ def _cross_process_transfer(
         for d in dst_local
     }
 
+    # an ep group holds each replica split by batch row (Note [experts over ep]): every
+    # process holding part of it first makes each replica whole on each of its devices
+    whole = jax.jit(lambda xs: xs, out_shardings=stacked(src)) if inner_axis(src) == EP else None
+
     def transfer(xs: list[jax.Array] | None) -> tuple[list[jax.Array] | None, list]:
+        if whole is not None and xs is not None:
+            xs = whole(xs)
         if not sending and not dst_local:
             return None, []  # this process's devices hold copies another device sends
         inputs = []

@@ -44,6 +44,7 @@ def launch(nprocs: int, devices: int, *args: str, timeout: float = 240) -> str:
         (2, 2, "pp2_1_to_2_zero3"),
         (2, 1, "tp2_spanning"),
         (2, 2, "pp2_tp2_per_process"),
+        (2, 2, "pp2_ep2_per_process"),
     ],
 )
 def test_strategy_matches_single_device_on_every_process(nprocs, devices, strategy) -> None:

@@ -52,6 +52,15 @@ def strategy(name: str) -> tuple[int, list]:
                 piper.shard_tensor({"PP": s}, devices, params=split_as),
             ]
         return 2, split + directives + schedules.one_f_one_b(2, 4)
+    if name == "pp2_ep2_per_process":  # each stage's experts split over one process's devices
+        directives = []
+        for s, devices in enumerate(([0, 1], [2, 3])):
+            directives += [
+                piper.place({"PP": s}, devices),
+                piper.replicate({"PP": s}, devices),
+                piper.shard({"PP": s, "EP": "*"}, devices),
+            ]
+        return 2, split + directives + schedules.one_f_one_b(2, 4)
     if name == "dualpipev2":  # rank r holds stages r and 3 - r
         places = [piper.place({"PP": s}, [min(s, 3 - s)]) for s in range(4)]
         return 4, split + places + schedules.dualpipev(2, 4)
@@ -60,7 +69,8 @@ def strategy(name: str) -> tuple[int, list]:
 
 def main() -> None:
     num_stages, directives = strategy(sys.argv[1])
-    check_mlp_strategy(directives, optax.adam(1e-2), num_stages)
+    experts = 4 if "_ep" in sys.argv[1] else 0  # the toy expert layers of StageMLP
+    check_mlp_strategy(directives, optax.adam(1e-2), num_stages, experts=experts)
     print(f"ORACLE OK process {jax.process_index()} of {jax.process_count()}", flush=True)
 
 
