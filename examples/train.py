@@ -16,7 +16,7 @@ import time
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev")
 SPLIT_BACKWARD = ("zb-h1", "dualpipev")
 # Flags that describe the strategy, which --strategy gives in full instead.
-STRATEGY_FLAGS = ("pp", "dp", "microbatches", "schedule", "zero", "recompute")
+STRATEGY_FLAGS = ("pp", "dp", "ep", "microbatches", "schedule", "zero", "recompute")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,12 +33,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=4,
         help="transformer blocks (default 4, at least 1 per region)",
     )
+    parser.add_argument(
+        "--model",
+        choices=("gpt", "moe"),
+        default="gpt",
+        help="gpt (default) or moe: the mixture-of-experts transformer of examples/moe.py "
+        "(4 experts, top-2 routing)",
+    )
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout rate (default 0)")
     parser.add_argument("--lr", type=float, default=3e-3, help="adamw learning rate (3e-3)")
     parser.add_argument("--seed", type=int, default=0, help="model init and data order (0)")
     group = parser.add_argument_group("strategy (or give it whole with --strategy)")
     group.add_argument("--pp", type=int, help="pipeline devices (default 2)")
     group.add_argument("--dp", type=int, help="data-parallel replicas per stage (default 2)")
+    group.add_argument(
+        "--ep",
+        type=int,
+        help="expert-parallel devices (--model moe): each stage's experts split over N of "
+        "its data-parallel devices, N dividing --dp and the 4 experts (default 1)",
+    )
     group.add_argument("--microbatches", type=int, help="microbatches per step (default 4)")
     group.add_argument(
         "--schedule",
@@ -120,7 +133,11 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         return
     args.pp, args.dp = args.pp or 2, args.dp or 2
     args.microbatches, args.schedule = args.microbatches or 4, args.schedule or "1f1b"
-    args.zero = args.zero or 0
+    args.zero, args.ep = args.zero or 0, args.ep or 1
+    if args.ep > 1 and (args.model != "moe" or args.dp % args.ep or 4 % args.ep):
+        parser.error(
+            f"--ep {args.ep} splits the experts of --model moe over a divisor of --dp and 4"
+        )
     if args.zero and args.dp < 2:
         parser.error(f"--zero {args.zero} shards over data-parallel replicas: use --dp 2 or more")
     if args.recompute and args.schedule in SPLIT_BACKWARD:
@@ -158,6 +175,8 @@ def built_strategy(args: argparse.Namespace) -> tuple[list, int, int]:
         directives.append(piper.place({"PP": s}, devices, stream="pp"))
         if dp > 1:
             directives.append(piper.replicate({"PP": s}, devices, args.zero >= 1, args.zero == 3))
+        if args.ep > 1:
+            directives.append(piper.shard({"PP": s, "EP": "*"}, devices[: args.ep]))
     if args.recompute:
         directives.append(piper.recompute({"PP": "*"}))
     return directives + orders, regions, pp * dp
@@ -183,6 +202,8 @@ def describe(args: argparse.Namespace) -> str:
     if args.strategy:
         return f"strategy {args.strategy}"
     text = f"PP={args.pp} x DP={args.dp}, {args.schedule}, m={args.microbatches}"
+    if args.ep > 1:
+        text += f", EP={args.ep}"
     if args.zero:
         text += f", ZeRO-{args.zero}"
     return text + (", recompute" if args.recompute else "")
@@ -257,14 +278,22 @@ def main(argv: list[str] | None = None) -> int:
         if main_process:
             tqdm.write(text)
 
-    config = GPTConfig(
-        seq_len=args.seq_len,
-        d_model=args.d_model,
-        n_layers=max(args.layers, regions),  # at least one block per region
-        num_stages=regions,
-        dropout=args.dropout,
-    )
-    model = GPT(config, rngs=nnx.Rngs(args.seed))
+    if args.model == "moe":
+        from moe import MoEConfig, MoETransformer
+        from moe import loss_fn as moe_loss
+
+        layers = regions * -(-args.layers // regions)  # the same blocks in every region
+        config = MoEConfig(d_model=args.d_model, n_layers=layers, num_stages=regions)
+        model, loss_fn = MoETransformer(config, rngs=nnx.Rngs(args.seed)), moe_loss
+    else:
+        config = GPTConfig(
+            seq_len=args.seq_len,
+            d_model=args.d_model,
+            n_layers=max(args.layers, regions),  # at least one block per region
+            num_stages=regions,
+            dropout=args.dropout,
+        )
+        model = GPT(config, rngs=nnx.Rngs(args.seed))
     train_ids, held_out = split_held_out(encode(load_corpus()))
     data = batches(train_ids, args.batch_size, args.seq_len, args.seed)
     validation = fixed_batches(held_out, args.batch_size, args.seq_len, count=2)
@@ -301,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"loss: first {window} steps {first:.3f} -> last {window} steps {last:.3f}")
     if args.eval_every:
         say(f"validation loss after {args.steps} steps: {validation_loss():.3f}")
-    if args.sample_chars:
+    if args.sample_chars and args.model == "gpt":
         head = decode(held_out[:20_000])
         start = head.find("\ndef ") + 1  # a function's first line, else the start
         prompt = head[start : start + args.seq_len // 2]

@@ -75,6 +75,15 @@ def test_every_schedule_trains_like_1f1b(
     assert numbers(out) == pytest.approx(one_f_one_b, abs=2e-3), flags
 
 
+def test_moe_with_experts_split_trains_like_without() -> None:
+    """--model moe: the mixture-of-experts model under PP=2 x DP=2 prints the same losses
+    with its experts split over both devices of each stage (--ep 2) as without."""
+    moe = ["--model", "moe", "--explain", *QUIET]
+    plain, split = run(*moe), run(*moe, "--ep", "2")
+    assert "EP=2" in split and "d0,2[dp=1 x ep=2]" in split
+    assert numbers(split) == pytest.approx(numbers(plain), abs=2e-3)
+
+
 def test_dropout_held_out_loss_sample_and_timeline(tmp_path) -> None:
     """With dropout, a ZeRO-3 data-parallel strategy file: the held-out loss every step,
     a sample of the asked length at the end, and the measured timeline of a step."""
@@ -103,6 +112,7 @@ def test_dropout_held_out_loss_sample_and_timeline(tmp_path) -> None:
         (["--schedule", "interleaved", "--microbatches", "3"], "a multiple of --pp 2"),
         (["--schedule", "dualpipev", "--microbatches", "2"], "at least 2 x --pp = 4"),
         (["--strategy", "s.json", "--pp", "2"], "drop --pp"),
+        (["--ep", "2"], "--ep 2 splits the experts of --model moe"),
     ],
 )
 def test_flags_that_do_not_fit_are_refused(capsys, flags: list[str], error: str) -> None:
