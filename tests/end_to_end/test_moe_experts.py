@@ -56,9 +56,7 @@ CASES = {
     "pp2_dp2_ep2_dualpipev_zero1": (
         4,
         lambda: (
-            split(4)
-            + stages_on(DP2, 2, [0, 1, 1, 0], shard_grads=True)
-            + schedules.dualpipev(2, 4)
+            split(4) + stages_on(DP2, 2, [0, 1, 1, 0], shard_grads=True) + schedules.dualpipev(2, 4)
         ),
     ),
 }
