@@ -281,12 +281,15 @@ class Executor:
 
         unit_args = self._unit_args
         label = f"{group_str(g)}: {step}"
+        wait = _waits_for_its_collectives(self.rt.meshes[g])
 
         def run() -> Any:
             args = ([store.pop(b) for b in donated], [store[b] for b in kept])
             if key not in unit_args:  # once per program, for `program_texts`
                 unit_args[key] = (label, jax.tree.map(_aval, args))
             values = jitted(*args)
+            if wait:
+                jax.block_until_ready(values)
             for b in consumed_values:
                 store.pop(b, None)
             for b, v in zip(outputs, values):
@@ -484,6 +487,21 @@ class Executor:
 
 
 _MICROBATCH = re.compile(r"\.(\d+)")
+
+
+def _waits_for_its_collectives(mesh: Any) -> bool:
+    """Note [in-process collectives on XLA:CPU across processes]
+    XLA:CPU runs the programs a process dispatched as their inputs become ready, on a
+    small pool of threads, in no fixed order per device. In a run of several processes,
+    a program with collectives among one process's devices (tp, ep) can then wait for a
+    thread held by a transfer to another process, which waits for this process: a hang
+    (seen with all-to-alls on 2 cores). There, such a program is waited for before the
+    host goes on; elsewhere dispatch runs ahead."""
+    return (
+        jax.process_count() > 1
+        and jax.default_backend() == "cpu"
+        and pg.inner_axis(mesh) is not None
+    )
 
 
 def _aval(x: jax.Array) -> jax.ShapeDtypeStruct:

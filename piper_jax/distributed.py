@@ -189,10 +189,6 @@ def _initialize_from_launcher(present: list[str], timeouts: dict[str, int]) -> N
         if platform != "gpu":  # CPU devices: K per process, collectives across processes
             jax.config.update("jax_num_cpu_devices", local_devices)
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
-            # XLA:CPU's asynchronous dispatch of one-device programs let a process hang
-            # when its programs mix in-process all-to-alls (expert parallelism) with gloo
-            # transfers to another process; run those programs inline instead.
-            jax.config.update("jax_cpu_enable_async_dispatch", False)
         jax.distributed.initialize(
             coordinator_address=coordinator,
             num_processes=num_processes,

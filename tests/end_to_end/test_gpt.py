@@ -86,7 +86,8 @@ def _train(*flags: str) -> tuple[float, float]:
     """Run the main job with `flags`; (mean loss of its first steps, of its last steps)."""
     script = os.path.join(ROOT, "examples", "train.py")
     result = subprocess.run(
-        [sys.executable, script, "--batch-size", "16", *flags],
+        [sys.executable, script, "--batch-size", "16", "--eval-every", "0", "--sample-chars", "0"]
+        + list(flags),
         capture_output=True,
         text=True,
         timeout=600,
