@@ -30,7 +30,7 @@ from piper_jax.directives.types import Replicate
 from piper_jax.ir import build_dag, lift
 from piper_jax.ir.dag import NodeKind, TrainingDAG
 from piper_jax.ir.errors import AnnotationError, BatchError, DirectiveError, PiperError, PlanError
-from piper_jax.ir.layout import DP, group_str
+from piper_jax.ir.layout import DP, EP, group_str
 from piper_jax.ir.lift import LiftedLoss
 from piper_jax.mpmd_runtime.buffers import value_avals
 from piper_jax.mpmd_runtime.instructions import SEND
@@ -111,10 +111,13 @@ class Lowered:
         layouts = {n.region: n.param_layout for n in self.dag.compute_nodes()}
         lines = ["regions:"]
         for r in self.lifted.regions:
-            lines.append(
+            line = (
                 f"  region {r.index} {r}: {len(r.param_ids)} params, on {meshes[r.index]}; "
                 f"{layouts[r.index]}"
             )
+            if any(EP in spec for _, spec in layouts[r.index].tensor):
+                line += "; its tokens come (dispatch) and go (combine) by all-to-all over ep"
+            lines.append(line)
         lines.append("plan grid (rows: replay rounds, columns: device groups; a + b: one program):")
         lines.append(self.plans.grid())
         for g, steps in sorted(self.plans.steps.items()):

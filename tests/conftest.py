@@ -1,14 +1,32 @@
 """Every test sees 8 virtual CPU devices (the backend starts after this runs), and every
 plan a test compiles must read back from its text."""
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import jax
 import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
+
+# One XLA compilation cache for the whole run, fresh each run: the tests compile the same
+# tiny programs many times over (the references, the same strategies on the same models),
+# and a cache hit skips XLA's compile, which dominates the suite. Subprocesses (the main
+# job, multi-process runs) share it through the environment.
+_CACHE = {
+    "JAX_COMPILATION_CACHE_DIR": tempfile.mkdtemp(prefix="piper-tests-xla-cache-"),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+}
+os.environ.update(_CACHE)
+atexit.register(shutil.rmtree, _CACHE["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _CACHE["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 sys.path.insert(0, os.path.dirname(__file__))  # tests import the shared `helpers`
 
 

@@ -52,6 +52,7 @@ def test_experts_split_over_ep_train_like_one_device(name: str) -> None:
     step = check_mlp_strategy(directives(), OPT, stages, experts=EXPERTS)
     text = step.explain()
     assert "ep=" in text and "split over ep" in text
+    assert "come (dispatch) and go (combine) by all-to-all over ep" in text
     if "zero3" in name:
         return  # ZeRO-3 holds every parameter as flat shards over dp
     # each device holds only its own experts

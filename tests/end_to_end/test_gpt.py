@@ -44,24 +44,6 @@ def test_gpt_pp2_dp2_1f1b_matches_single_device() -> None:
     assert "ALL_REDUCE grad[0,1] d0,2,1,3" in step.explain()
 
 
-def test_main_job_runs_and_its_loss_falls() -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "examples", "train.py"),
-            "--steps",
-            "40",
-            "--batch-size",
-            "16",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "loss: first" in result.stdout
-
-
 def test_compare_pjit_reports_agreeing_losses_and_a_ratio_per_strategy() -> None:
     """examples/compare_pjit.py (what benchmarks/overhead_vs_pjit.py runs), at toy size."""
     flags = "--devices 2 --d-model 16 --layers 1 --heads 2 --seq-len 8 --batch-size 4"
