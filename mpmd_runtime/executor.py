@@ -193,6 +193,7 @@ class Executor:
         self.random_leaf, self.steps_done = random_leaf, 0
         self.losses: list[jax.Array] = []
         self.grad_norm: jax.Array | None = None
+        self._lockstep = _runs_in_lockstep(rt.meshes.values())
         self._unit_programs: dict[tuple, Callable] = {}
         self._unit_args: dict[tuple, tuple[str, Any]] = {}  # key -> (step, argument avals)
         self._last_read: dict[Group, dict[bf.Buffer, int]] = {}
@@ -281,15 +282,12 @@ class Executor:
 
         unit_args = self._unit_args
         label = f"{group_str(g)}: {step}"
-        wait = _waits_for_its_collectives(self.rt.meshes[g])
 
         def run() -> Any:
             args = ([store.pop(b) for b in donated], [store[b] for b in kept])
             if key not in unit_args:  # once per program, for `program_texts`
                 unit_args[key] = (label, jax.tree.map(_aval, args))
             values = jitted(*args)
-            if wait:
-                jax.block_until_ready(values)
             for b in consumed_values:
                 store.pop(b, None)
             for b, v in zip(outputs, values):
@@ -329,6 +327,7 @@ class Executor:
         self.losses.clear()
         self.grad_norm = None
         witnesses = self._witnesses = []
+        lockstep = self._lockstep
         i = 0
         try:
             for i, closure in enumerate(self.steps):
@@ -336,6 +335,8 @@ class Executor:
                 out = closure()
                 if out is not None:
                     witnesses.append((i, out))
+                    if lockstep:
+                        jax.block_until_ready(out)
         except Exception as err:
             if not self.failures.peers_of(i):
                 raise
@@ -489,18 +490,19 @@ class Executor:
 _MICROBATCH = re.compile(r"\.(\d+)")
 
 
-def _waits_for_its_collectives(mesh: Any) -> bool:
+def _runs_in_lockstep(meshes: Any) -> bool:
     """Note [in-process collectives on XLA:CPU across processes]
     XLA:CPU runs the programs a process dispatched as their inputs become ready, on a
     small pool of threads, in no fixed order per device. In a run of several processes,
     a program with collectives among one process's devices (tp, ep) can then wait for a
     thread held by a transfer to another process, which waits for this process: a hang
-    (seen with all-to-alls on 2 cores). There, such a program is waited for before the
-    host goes on; elsewhere dispatch runs ahead."""
+    (seen with all-to-alls on 2 cores, also when only those programs were waited for).
+    There, every instruction is waited for before the next is dispatched, which the
+    plans' lockstep order makes safe; elsewhere dispatch runs ahead."""
     return (
         jax.process_count() > 1
         and jax.default_backend() == "cpu"
-        and pg.inner_axis(mesh) is not None
+        and any(pg.inner_axis(mesh) is not None for mesh in meshes)
     )
 
 
