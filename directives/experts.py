@@ -17,8 +17,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from piper_jax.directives.filters import NodeIndex, filter_str
-from piper_jax.directives.place import check_range
-from piper_jax.directives.tensor import inner_mesh
+from piper_jax.directives.tensor import inner_mesh, matched_nodes
 from piper_jax.directives.types import Shard
 from piper_jax.ir.dag import TrainingDAG
 from piper_jax.ir.errors import DirectiveError
@@ -72,10 +71,7 @@ def apply_shards(
     meshes: dict[tuple[int, ...], DeviceMesh] = {}
     for directive in directives:
         where = f"shard {filter_str(directive.filter)}"
-        check_range(directive.devices, num_devices, where)
-        nodes = [dag.nodes[n.uid] for n in index.select(directive.filter)]
-        if not nodes:
-            raise DirectiveError(f"{where}: filter matches no region")
+        nodes = matched_nodes(dag, index, directive, num_devices, where)
         regions = sorted({n.region for n in nodes})
         experts = expert_count(lifted, regions, where)
         ep = len(directive.devices)

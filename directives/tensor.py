@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from piper_jax.directives.filters import NodeIndex, filter_str
 from piper_jax.directives.place import check_range
-from piper_jax.directives.types import ShardTensor
+from piper_jax.directives.types import Shard, ShardTensor
 from piper_jax.ir.dag import Node, TrainingDAG
 from piper_jax.ir.errors import DirectiveError
 from piper_jax.ir.layout import DP, TP, DeviceMesh
@@ -99,6 +99,18 @@ def specs_of(
     return out
 
 
+def matched_nodes(
+    dag: TrainingDAG, index: NodeIndex, directive: ShardTensor | Shard, num_devices: int, where: str
+) -> list[Node]:
+    """The compute nodes a shard_tensor or shard directive matches (at least one), after
+    checking its devices exist."""
+    check_range(directive.devices, num_devices, where)
+    nodes = [dag.nodes[n.uid] for n in index.select(directive.filter)]
+    if not nodes:
+        raise DirectiveError(f"{where}: filter matches no region")
+    return nodes
+
+
 def inner_mesh(node: Node, devices: tuple[int, ...], where: str, axis: str = TP) -> DeviceMesh:
     """The node's group as dp x `axis` (tp or ep), with `devices` one run of consecutive
     devices of the group."""
@@ -129,10 +141,7 @@ def apply_shard_tensors(
     index = NodeIndex(dag.compute_nodes())
     for directive in directives:
         where = f"shard_tensor {filter_str(directive.filter)}"
-        check_range(directive.devices, num_devices, where)
-        nodes = [dag.nodes[n.uid] for n in index.select(directive.filter)]
-        if not nodes:
-            raise DirectiveError(f"{where}: filter matches no region")
+        nodes = matched_nodes(dag, index, directive, num_devices, where)
         params = sorted({p for n in nodes for p in lifted.regions[n.region].param_ids})
         specs = specs_of(directive, lifted, params, len(directive.devices), where)
         for n in nodes:

@@ -129,28 +129,20 @@ def cotangent_sources(lifted: LiftedLoss, region: Region) -> list[list[tuple[int
 class RegionPrograms:
     """The passes of one region on one device group, as functions of global arrays.
 
-        Each pass is a `shard_map` over the group's mesh; parameters come in replicated and
-        whole (a ZeRO-3 group gathers them first), everything else stacked per replica. A
-        weight-gradient pass adds its gradients to the accumulators it is given, or, given
-        none (ZeRO), returns them for the reduce-scatter.
+    Each pass is a `shard_map` over the group's mesh; parameters come in replicated and
+    whole (a ZeRO-3 group gathers them first), everything else stacked per replica. A
+    weight-gradient pass adds its gradients to the accumulators it is given, or, given
+    none (ZeRO), returns them for the reduce-scatter.
 
-          forward(params, batch, acts)                  -> (outputs, residuals)
-          evaluate(params, batch, acts)                 -> outputs
-          backward(params, residuals, cots[, acc])      -> (input cotangents, acc or grads)
-          backward_input(params, residuals, cots)       -> (input cotangents, cross values)
-          backward_weight(params, residuals, cross[, acc]) -> acc or grads
+      forward(params, batch, acts)                  -> (outputs, residuals)
+      evaluate(params, batch, acts)                 -> outputs
+      backward(params, residuals, cots[, acc])      -> (input cotangents, acc or grads)
+      backward_input(params, residuals, cots)       -> (input cotangents, cross values)
+      backward_weight(params, residuals, cross[, acc]) -> acc or grads
 
-        Under `recompute` the residuals are the region's inputs and the backward runs the
-        forward again. See Note [experts over ep]
-    In a `dp x ep` group every device of a replica's `ep` run takes its own rows of the
-    replica's batch, and the expert regions hold their experts split over `ep` too. Values
-    enter and leave a region split by batch row, except an expert region's (batch, experts,
-    ...) values, which are split by expert. Between the two layouts XLA moves each token to
-    the device of its expert and back: the all-to-all dispatch and combine, inside the
-    programs that need them, so a fused overlap unit can run one microbatch's all-to-all
-    beside another's compute.
-
-    Note [residuals hold activations only].
+    Under `recompute` the residuals are the region's inputs and the backward runs the
+    forward again. See Note [residuals hold activations only] and, for `ep` groups,
+    Note [experts over ep].
     """
 
     def __init__(
