@@ -494,15 +494,17 @@ def _runs_in_lockstep(meshes: Any) -> bool:
     """Note [in-process collectives on XLA:CPU across processes]
     XLA:CPU runs the programs a process dispatched as their inputs become ready, on a
     small pool of threads, in no fixed order per device. In a run of several processes,
-    a program with collectives among one process's devices (tp, ep) can then wait for a
-    thread held by a transfer to another process, which waits for this process: a hang
-    (seen with all-to-alls on 2 cores, also when only those programs were waited for).
-    There, every instruction is waited for before the next is dispatched, which the
-    plans' lockstep order makes safe; elsewhere dispatch runs ahead."""
+    a program with collectives among several devices (an all-to-all over ep, a ZeRO
+    reduce-scatter) can then wait for a thread held by a transfer to another process,
+    which waits for this process: a hang (seen on 2 cores with all-to-alls, also when
+    only those programs were waited for, and a gloo timeout in a reduce-scatter). There,
+    every instruction is waited for before the next is dispatched, which the plans'
+    lockstep order makes safe. Runs whose groups are all single devices, and every run
+    in one process or on GPU, dispatch ahead."""
     return (
         jax.process_count() > 1
         and jax.default_backend() == "cpu"
-        and any(pg.inner_axis(mesh) is not None for mesh in meshes)
+        and any(mesh.size > 1 for mesh in meshes)
     )
 
 
