@@ -79,11 +79,11 @@ def contribution(
 
 
 def device_rows(rows: jax.Array, mesh: Mesh) -> jax.Array:
-    """Per-replica rows (dp, N) -> one row per device (dp x tp, N) with the same sum:
+    """Per-replica rows (dp, N) -> one row per device (dp x tp or ep, N), same sum:
     the union program sums one row per device of every group it spans."""
-    tensor = mesh.size // replicas(mesh)
-    if tensor > 1:
-        rows = jnp.repeat(rows / tensor, tensor, axis=0)
+    inner = mesh.size // replicas(mesh)
+    if inner > 1:
+        rows = jnp.repeat(rows / inner, inner, axis=0)
         return jax.lax.with_sharding_constraint(
             rows, NamedSharding(mesh, P(tuple(mesh.axis_names)))
         )

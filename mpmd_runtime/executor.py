@@ -88,7 +88,8 @@ class Runtime:
 
     def param_sharding(self, g: Group, name: str, stacked: bool = False) -> Any:
         """How a parameter (or, `stacked`, its per-replica accumulator) of group g lies on
-        its mesh: split over `tp` where `shard_tensor` says so, else whole."""
+        its mesh: split over `tp` or `ep` where `shard_tensor` or `shard` says so, else
+        whole."""
         p = self.param_index[name]
         spec = self.plans.tensor.get(g, {}).get(p, ())
         return NamedSharding(self.meshes[g], P(*(((pg.AXIS,) if stacked else ()) + spec)))

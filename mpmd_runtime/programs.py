@@ -181,16 +181,7 @@ class RegionPrograms:
 
     def _residual_structure(self) -> tuple[Any, dict[int, int], int]:
         """The VJP's treedef, which of its leaves are parameters (leaf -> param index), and
-                its leaf count (Note [experts over ep]
-        In a `dp x ep` group every device of a replica's `ep` run takes its own rows of the
-        replica's batch, and the expert regions hold their experts split over `ep` too. Values
-        enter and leave a region split by batch row, except an expert region's (batch, experts,
-        ...) values, which are split by expert. Between the two layouts XLA moves each token to
-        the device of its expert and back: the all-to-all dispatch and combine, inside the
-        programs that need them, so a fused overlap unit can run one microbatch's all-to-all
-        beside another's compute.
-
-        Note [residuals hold activations only])."""
+        its leaf count (Note [residuals hold activations only])."""
         found: dict[str, Any] = {}
         n_p, n_b = len(self.region.param_ids), len(self.region.batch_ids)
 
