@@ -1,7 +1,7 @@
 """Apply a directive list to the training DAG, always in the fixed order:
 split -> recompute -> backward split (where an order names BI/BW) -> place -> replicate
 -> shard (expert, tensor) -> (placement check) -> gradients and ZeRO collectives ->
-transfers -> order."""
+transfers -> order -> all-to-alls (experts)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from piper_jax.directives import zero
 from piper_jax.directives.backward_split import backwards_to_split, split_backward_nodes
 from piper_jax.directives.coverage import check_schedule_coverage
-from piper_jax.directives.experts import apply_shards
+from piper_jax.directives.experts import apply_shards, insert_all_to_alls
 from piper_jax.directives.gradients import insert_updates
 from piper_jax.directives.order import apply_orders
 from piper_jax.directives.place import apply_places, check_placement
@@ -99,6 +99,7 @@ def apply_directives(
         dag = insert_updates(dag, lifted, global_norm)
     dag = insert_transfers(dag)
     dag = apply_orders(dag, [(i, d) for i, d in enumerate(directives) if isinstance(d, Order)])
+    dag = insert_all_to_alls(dag)
     if not forward_only:
         check_schedule_coverage(dag, directives)
     dag.check_acyclic("the directives")

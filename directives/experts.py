@@ -9,6 +9,11 @@ the group works on its own slice of the replica's batch, the expert regions on t
 experts, and XLA turns the change between the two layouts into the all-to-all that
 dispatches tokens to their experts and the one that combines them back. The experts'
 gradients stay with their experts; every other gradient is summed over the whole group.
+
+`insert_all_to_alls` makes those moves DAG nodes: an ALL_TO_ALL on every data edge into
+an expert pass (dispatch) and out of it (combine), forward and backward alike. Each runs
+inside the program of the pass that reads what it moves, so that a fused overlap unit
+(DualPipeV) holds one microbatch's all-to-all beside another microbatch's compute.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from collections.abc import Sequence
 from piper_jax.directives.filters import NodeIndex, filter_str
 from piper_jax.directives.tensor import inner_mesh, matched_nodes
 from piper_jax.directives.types import Shard
-from piper_jax.ir.dag import TrainingDAG
+from piper_jax.ir.dag import EdgeKind, Node, NodeKind, TrainingDAG
 from piper_jax.ir.errors import DirectiveError
 from piper_jax.ir.layout import DP, EP, DeviceMesh
 from piper_jax.ir.lift import LiftedLoss, Region
@@ -101,4 +106,43 @@ def apply_shards(
                 f"{mesh.axes_str()} by shard; one device group has one layout"
             )
         dag.replace(dataclasses.replace(other, mesh=mesh))
+    return dag
+
+
+def insert_all_to_alls(dag: TrainingDAG) -> TrainingDAG:
+    """An ALL_TO_ALL on each data edge of an `ep` group where tokens change layout: from
+    another pass (or a RECV) into an expert pass, and from an expert pass into another
+    region's pass; in the backward these carry cotangents the same two ways."""
+    experts = {n.uid for n in dag.compute_nodes() if n.param_layout.holds_experts}
+    if not experts:
+        return dag
+    dag = dag.copy()
+    for edge in dag.edges:
+        src, dst = dag.nodes[edge.src], dag.nodes[edge.dst]
+        if (
+            edge.kind is not EdgeKind.DATA
+            or dst.kind is not NodeKind.COMPUTE
+            or src.kind not in (NodeKind.COMPUTE, NodeKind.RECV)
+            or src.region == dst.region
+            or (src.uid in experts) == (dst.uid in experts)
+        ):
+            continue
+        source = src.compute_label() if src.kind is NodeKind.COMPUTE else src.value
+        direction = "dispatch" if dst.uid in experts else "combine"
+        relay = dag.add(
+            Node(
+                dag.new_uid(),
+                NodeKind.ALL_TO_ALL,
+                region=dst.region,
+                region_tags=dst.region_tags,
+                microbatch=dst.microbatch,
+                mesh=dst.mesh,
+                stream=dst.stream,
+                carries=dst.uid,
+                value=f"{direction}[{source}>{dst.compute_label()}]",
+            )
+        )
+        dag.disconnect(edge)
+        dag.connect(src.uid, relay.uid)
+        dag.connect(relay.uid, dst.uid)
     return dag

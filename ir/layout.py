@@ -16,9 +16,14 @@ How a value lies on its group's mesh is its `Layout`:
   flat(dp)     flattened, padded to a multiple of dp and cut into equal shards, one per
                replica (ZeRO: see Note [ZeRO in piper-jax] in mpmd_runtime/zero.py)
 
+Inside a replica of a ``dp x ep`` group, tokens lie split by batch row over ``ep``,
+except in the expert regions, where tokens dispatched as (batch, experts, ...) lie split
+by expert (Note [experts over ep] in mpmd_runtime/programs.py).
+
 Communication nodes of the DAG are the layout changes: partial -> replicated is an
-ALL_REDUCE, partial -> flat a REDUCE_SCATTER, flat -> replicated an ALL_GATHER, and
-batch(dp) on one group -> batch(dp) on another a SEND/RECV pair.
+ALL_REDUCE, partial -> flat a REDUCE_SCATTER, flat -> replicated an ALL_GATHER,
+batch(dp) on one group -> batch(dp) on another a SEND/RECV pair, and tokens by row <->
+by expert an ALL_TO_ALL (dispatch, combine).
 """
 
 from __future__ import annotations
@@ -128,6 +133,11 @@ class ParamLayout:
     zero_level: int = 0
     bucket_mb: float | None = None
     tensor: tuple[tuple[int, tuple[str | None, ...]], ...] = ()
+
+    @property
+    def holds_experts(self) -> bool:
+        """The parameters are a mixture's experts, split over `ep` (`shard`)."""
+        return any(spec[:1] == (EP,) for _, spec in self.tensor)
 
     @property
     def params(self) -> Layout:

@@ -15,13 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from piper_jax.ir.layout import Placement
+from piper_jax.ir.layout import EP, Placement
 from piper_jax.mpmd_runtime import buffers as bf
 from piper_jax.mpmd_runtime import collectives, zero
 from piper_jax.mpmd_runtime.instructions import (
     ALL_GATHER,
     ALL_REDUCE,
+    ALL_TO_ALL,
     FREE,
     GNORM,
     RECV,
@@ -30,8 +32,18 @@ from piper_jax.mpmd_runtime.instructions import (
     SEND,
     UPD,
     Instruction,
+    Label,
+    parse_all_to_all,
 )
-from piper_jax.mpmd_runtime.programs import AXIS, replicas, replicated, spmd, stacked
+from piper_jax.mpmd_runtime.programs import (
+    AXIS,
+    cotangent_sources,
+    is_tokens,
+    replicas,
+    replicated,
+    spmd,
+    stacked,
+)
 from piper_jax.mpmd_runtime.transport import from_local_shards, make_transfer, shards_by_device
 
 if TYPE_CHECKING:
@@ -264,12 +276,51 @@ def grad_reader(
     return read
 
 
+def all_to_all_piece(rt: Runtime, g: Group, ins: Instruction) -> Piece:
+    """Tokens to their other layout (Note [experts over ep]): the tokens of the source
+    value that the reader reads, split by expert for an expert pass (dispatch) or by
+    batch row for another (combine). Written back in place: the reader, fused after it
+    in one program, reads them as laid out here, and XLA makes the move an all-to-all."""
+    access = bf.access(ins, g, rt.ctx)
+    (source,) = access.reads
+    move = parse_all_to_all(ins.value)
+    positions = read_positions(rt, g, move.source, move.reader)
+    mesh, experts = rt.meshes[g], rt.experts(g)
+    width = mesh.shape[EP]
+
+    def spec(x: jax.Array) -> P:
+        if move.to_experts:
+            return P(AXIS, None, EP)
+        return P(AXIS, EP) if x.shape[1] % width == 0 else P(AXIS)
+
+    def all_to_all(env: Env) -> Env:
+        leaves = list(env[source])
+        for k in positions:
+            if is_tokens(leaves[k], experts, lead=1):
+                sharding = NamedSharding(mesh, spec(leaves[k]))
+                leaves[k] = jax.lax.with_sharding_constraint(leaves[k], sharding)
+        return {source: leaves}
+
+    return Piece(access, all_to_all)
+
+
+def read_positions(rt: Runtime, g: Group, source: Label, reader: Label) -> list[int]:
+    """Which leaves of the value `source` wrote the pass `reader` reads: outputs of a
+    forward it takes as inputs, or the cotangents a consumer's backward sends it."""
+    regions = rt.lifts[g].regions
+    if reader.pass_ == "F":
+        return [a.position for a in regions[reader.region].act_inputs if a.region == source.region]
+    sources = cotangent_sources(rt.lifts[g], regions[reader.region])
+    return sorted({j for pairs in sources for c, j in pairs if c == source.region})
+
+
 PIECES: dict[str, Callable[[Runtime, Group, Instruction], Piece]] = {
     RUN: run_piece,
     UPD: update_piece,
     ALL_REDUCE: reduce_piece,
     REDUCE_SCATTER: scatter_piece,
     ALL_GATHER: gather_piece,
+    ALL_TO_ALL: all_to_all_piece,
 }
 
 

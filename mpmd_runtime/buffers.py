@@ -31,6 +31,7 @@ from piper_jax.ir.lift import LiftedLoss
 from piper_jax.mpmd_runtime.instructions import (
     ALL_GATHER,
     ALL_REDUCE,
+    ALL_TO_ALL,
     BATCH,
     FREE,
     GNORM,
@@ -41,6 +42,7 @@ from piper_jax.mpmd_runtime.instructions import (
     UPD,
     Instruction,
     Label,
+    parse_all_to_all,
     parse_label,
 )
 
@@ -208,6 +210,8 @@ def access(ins: Instruction, group: Group, ctx: PlanContext) -> Access:
     if ins.op == ALL_GATHER:
         names = ctx.names(ctx.lifted.regions[ins.region].param_ids)
         return Access(reads=tuple(param(n) for n in names), writes=(value(ins.value),))
+    if ins.op == ALL_TO_ALL:  # relays a value to the pass fused after it, in place
+        return Access(reads=(value(parse_all_to_all(ins.value).source),))
     raise AssertionError(f"no buffers known for {ins}")
 
 

@@ -100,17 +100,17 @@ class Runtime:
     def param_dtype(self, name: str) -> Any:
         return self.param_avals[name][1]
 
-    def experts(self, region: Region, g: Group) -> int | None:
-        """How many experts `region` holds split over g's `ep` axis (None: not experts)."""
+    def experts(self, g: Group) -> int | None:
+        """How many experts g's expert regions hold split over its `ep` axis (None: g
+        holds no experts)."""
+        names = self.lifts[g].param_names
         specs = self.plans.tensor.get(g, {})
-        return next(
-            (
-                s[0]
-                for p, (s, _) in zip(region.param_ids, region.in_shapes)
-                if specs.get(p, (None,))[0] == EP
-            ),
-            None,
-        )
+        split = [p for p, spec in specs.items() if spec[0] == EP]
+        return self.param_shape(names[split[0]])[0] if split else None
+
+    def holds_experts(self, region: Region, g: Group) -> bool:
+        specs = self.plans.tensor.get(g, {})
+        return any(specs.get(p, (None,))[0] == EP for p in region.param_ids)
 
     def programs(self, region: int, g: Group) -> pg.RegionPrograms:
         if (region, g) not in self._programs:
@@ -121,7 +121,8 @@ class Runtime:
                 self.meshes[g],
                 self.loss_seed,
                 region in self.ctx.recompute,
-                self.experts(lifted.regions[region], g),
+                self.experts(g),
+                self.holds_experts(lifted.regions[region], g),
             )
         return self._programs[(region, g)]
 

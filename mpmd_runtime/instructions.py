@@ -12,6 +12,10 @@ ALL_REDUCE gnorm d0,1             sum the squared gradient norms of every group
 REDUCE_SCATTER grad[B0.3] d0,2    ZeRO: reduce-scatter the gradients B0.3 computed
 ALL_GATHER param[F0.3] d0,2       ZeRO-3: gather the parameters F0.3 reads
 ALL_GATHER param[UPD0] d0,2       ZeRO-2: gather the shards UPD0 updated
+ALL_TO_ALL dispatch[F0.3>F1.3] d0,1
+                                  expert parallelism: the tokens of F0.3 that expert
+                                  region 1 reads, moved to their experts' devices
+                                  (`combine[...]`: back to their own rows)
 FREE F1.3                         drop this group's copy of a buffer (FREE batch.3 alike)
 
 A step of a plan is one instruction or several fused into one program, written joined
@@ -28,13 +32,15 @@ from piper_jax.ir.layout import group_str
 
 RUN, UPD, SEND, RECV, FREE = "RUN", "UPD", "SEND", "RECV", "FREE"
 ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = "ALL_REDUCE", "REDUCE_SCATTER", "ALL_GATHER"
-COLLECTIVES = (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER)
+ALL_TO_ALL = "ALL_TO_ALL"
+COLLECTIVES = (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, ALL_TO_ALL)
 BATCH = "batch"
 GNORM = "gnorm"
 
 _LABEL = r"(F|B|BI|BW)(\d+)(?:\.(\d+))?"
 _LABEL_RE = re.compile(rf"^{_LABEL}$")
 _SERVED_RE = re.compile(rf"^(?:param|grad)\[((?:{_LABEL})|UPD(\d+))\](?:/\d+)?$")
+_ALL_TO_ALL_RE = re.compile(rf"^(dispatch|combine)\[({_LABEL})>({_LABEL})\]$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,14 +58,36 @@ class Label:
 
 @functools.cache
 def parse_label(text: str) -> Label | None:
-    """The pass a value names directly (F1.3) or serves (param[F1.3], grad[B0.2]/1)."""
+    """The pass a value names directly (F1.3) or serves (param[F1.3], grad[B0.2]/1, the
+    reader F1.3 of dispatch[F0.3>F1.3])."""
     m = _LABEL_RE.match(text)
     if m:
         return Label(m.group(1), int(m.group(2)), _int(m.group(3)))
     m = _SERVED_RE.match(text)
     if m and m.group(2):
         return Label(m.group(2), int(m.group(3)), _int(m.group(4)))
+    m = _ALL_TO_ALL_RE.match(text)
+    if m:
+        return Label(m.group(7), int(m.group(8)), _int(m.group(9)))
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class AllToAll:
+    """What an ALL_TO_ALL moves: the value `source` wrote, for the pass `reader`;
+    `to_experts` for a dispatch (rows -> experts), else a combine (experts -> rows)."""
+
+    to_experts: bool
+    source: Label
+    reader: Label
+
+
+def parse_all_to_all(text: str) -> AllToAll:
+    """dispatch[F0.3>F1.3] -> AllToAll(True, F0.3, F1.3)."""
+    m = _ALL_TO_ALL_RE.match(text)
+    if not m:
+        raise ValueError(f"not an all-to-all value: {text!r}")
+    return AllToAll(m.group(1) == "dispatch", parse_label(m.group(2)), parse_label(text))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ from piper_jax.mpmd_runtime import buffers as bf
 from piper_jax.mpmd_runtime.instructions import (
     ALL_GATHER,
     ALL_REDUCE,
+    ALL_TO_ALL,
     GNORM,
     RECV,
     REDUCE_SCATTER,
@@ -292,9 +293,14 @@ def to_instruction(dag: TrainingDAG, uid: int) -> Instruction:
         return Instruction(SEND, node.value, node.peer)
     if node.kind is NodeKind.RECV:
         return Instruction(RECV, node.value, node.peer)
-    if node.kind in (NodeKind.ALL_REDUCE, NodeKind.REDUCE_SCATTER, NodeKind.ALL_GATHER):
-        op = {NodeKind.ALL_REDUCE: ALL_REDUCE, NodeKind.REDUCE_SCATTER: REDUCE_SCATTER}
-        return Instruction(op.get(node.kind, ALL_GATHER), node.value, node.devices)
+    ops = {
+        NodeKind.ALL_REDUCE: ALL_REDUCE,
+        NodeKind.REDUCE_SCATTER: REDUCE_SCATTER,
+        NodeKind.ALL_GATHER: ALL_GATHER,
+        NodeKind.ALL_TO_ALL: ALL_TO_ALL,
+    }
+    if node.kind in ops:
+        return Instruction(ops[node.kind], node.value, node.devices)
     raise PlanError(f"{node}: {node.kind.value} nodes are not supported by the runtime yet")
 
 

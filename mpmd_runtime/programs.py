@@ -10,11 +10,14 @@ device is the same code with dp = 1.
 Note [experts over ep]
 In a `dp x ep` group every device of a replica's `ep` run takes its own rows of the
 replica's batch, and the expert regions hold their experts split over `ep` too. Values
-enter and leave a region split by batch row, except an expert region's (batch, experts,
-...) values, which are split by expert. Between the two layouts XLA moves each token to
-the device of its expert and back: the all-to-all dispatch and combine, inside the
-programs that need them, so a fused overlap unit can run one microbatch's all-to-all
-beside another's compute.
+leave a region split by batch row, except an expert region's tokens (values laid out
+(batch, experts, ...)), which leave split by expert. Tokens change layout only at the
+DAG's ALL_TO_ALL nodes (directives/experts.py): a dispatch lays the tokens an expert pass
+reads out by expert, a combine lays an expert pass's output out by row again (and their
+mirror images carry the cotangents). Each is a sharding constraint at the start of its
+reader's program, which XLA compiles into an all-to-all; so the tokens entering a region
+are left as they come, and a fused overlap unit runs one microbatch's all-to-all beside
+another's compute.
 
 Note [residuals hold activations only]
 F keeps for its backward what `jax.vjp` needs, except the region's parameters: a residual
@@ -90,26 +93,43 @@ def spmd(fn: Callable, mesh: Mesh, in_specs: tuple, out_specs: Any) -> Callable:
     )
 
 
-def leaving(tree: Any, mesh: Mesh, experts: int | None = None) -> Any:
+def is_tokens(x: jax.Array, experts: int | None, lead: int = 0) -> bool:
+    """Whether `x` holds tokens dispatched to experts: laid out (batch, experts, ...)
+    after `lead` leading axes."""
+    return bool(experts) and x.ndim >= lead + 2 and x.shape[lead + 1] == experts
+
+
+def leaving(
+    tree: Any,
+    mesh: Mesh,
+    experts: int | None = None,
+    holds_experts: bool = False,
+    entering: bool = False,
+) -> Any:
     """Inside a replica: the layout of values leaving (or entering) a region.
 
     Over `tp` they are whole on every device (what another group receives or a cotangent
     it adds up), not split as XLA chose. Over `ep` they are split by batch row, each device
-    working on its own tokens (Note [experts over ep]); in an expert region, the values
-    laid out (batch, experts, ...) are split by expert instead."""
+    working on its own tokens, except tokens leaving an expert region (`holds_experts`),
+    which are split by expert; tokens entering are left as their ALL_TO_ALL laid them out
+    (Note [experts over ep])."""
     axis = inner_axis(mesh)
     if axis is None:
         return tree
     width = mesh.shape[axis]
 
-    def spec(x: jax.Array) -> P:
+    def laid_out(x: jax.Array) -> jax.Array:
         if axis == TP:
-            return P()
-        if experts and x.ndim >= 2 and x.shape[1] == experts:
-            return P(None, EP)
-        return P(EP) if x.ndim and x.shape[0] % width == 0 else P()
+            return jax.lax.with_sharding_constraint(x, P())
+        if is_tokens(x, experts):
+            if entering:
+                return x
+            if holds_experts:
+                return jax.lax.with_sharding_constraint(x, P(None, EP))
+        rows = x.ndim and x.shape[0] % width == 0
+        return jax.lax.with_sharding_constraint(x, P(EP) if rows else P())
 
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, spec(x)), tree)
+    return jax.tree.map(laid_out, tree)
 
 
 def cotangent_sources(lifted: LiftedLoss, region: Region) -> list[list[tuple[int, int]]]:
@@ -153,8 +173,10 @@ class RegionPrograms:
         loss_seed: float,
         recompute: bool,
         experts: int | None = None,
+        holds_experts: bool = False,
     ):
         self.region, self.lifted, self.mesh, self.experts = region, lifted, mesh, experts
+        self.holds_experts = holds_experts
         self.loss_seed, self.recompute = loss_seed, recompute
         self.float_in = [
             lifted.regions[a.region].out_is_float(a.position) for a in region.act_inputs
@@ -245,10 +267,15 @@ class RegionPrograms:
         return seeds
 
     def _laid_out(self, tree: Any) -> Any:
-        return leaving(tree, self.mesh, self.experts)
+        return leaving(tree, self.mesh, self.experts, self.holds_experts)
+
+    def _entering(self, batch: list, acts: list) -> tuple[list, list]:
+        return leaving(unstack(batch), self.mesh), leaving(
+            unstack(acts), self.mesh, self.experts, entering=True
+        )
 
     def _forward(self, params: list, batch: list, acts: list) -> tuple:
-        batch, acts = self._laid_out((unstack(batch), unstack(acts)))
+        batch, acts = self._entering(batch, acts)
         if self.recompute:
             outs = self.region.fn(params, batch, acts)
             return stack(self._laid_out(outs)), stack((batch, acts))
@@ -256,7 +283,7 @@ class RegionPrograms:
         return stack(self._laid_out(outs)), stack(self._kept(vjp))
 
     def _evaluate(self, params: list, batch: list, acts: list) -> list:
-        batch, acts = self._laid_out((unstack(batch), unstack(acts)))
+        batch, acts = self._entering(batch, acts)
         return stack(self._laid_out(self.region.fn(params, batch, acts)))
 
     def _vjp(self, params: list, res: Any) -> Any:

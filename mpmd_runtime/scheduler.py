@@ -6,10 +6,12 @@ schedule_nodes        lockstep list scheduling of DAG nodes per device group; ev
                       an overlap unit (one order group) is picked whole
 attach_collectives    each ZeRO collective moves next to the pass it serves: a
                       parameter gather just before it, a gradient reduce-scatter just
-                      after it, the gather of updated shards just after the update
+                      after it, the gather of updated shards just after the update; each
+                      ALL_TO_ALL just before the pass that reads what it moves
 sink_receives         each RECV moves to just before its first reader
 unit_keys             which consecutive nodes form one step (one program): an overlap
-                      unit, and (when fusing) each ZeRO collective with its pass
+                      unit, each ALL_TO_ALL with its reader, and (when fusing) each ZeRO
+                      collective with its pass
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ _PRIORITY = {
     NodeKind.RECV: 3,
 }
 ZERO_COLLECTIVES = (NodeKind.REDUCE_SCATTER, NodeKind.ALL_GATHER)
+ATTACHED = (*ZERO_COLLECTIVES, NodeKind.ALL_TO_ALL)
 
 
 def compute_groups(dag: TrainingDAG) -> list[Group]:
@@ -45,25 +48,44 @@ def member_groups(node: Node, groups: Sequence[Group]) -> list[Group]:
 
 
 def attached(dag: TrainingDAG) -> dict[int, int]:
-    """ZeRO collectives -> the node each serves (its `carries`)."""
+    """ZeRO collectives and ALL_TO_ALLs -> the node each serves (its `carries`)."""
     return {
-        u: n.carries
-        for u, n in dag.nodes.items()
-        if n.kind in ZERO_COLLECTIVES and n.carries is not None
+        u: n.carries for u, n in dag.nodes.items() if n.kind in ATTACHED and n.carries is not None
     }
+
+
+def _bypass(
+    relays: set[int], preds: dict[int, list[int]], succs: dict[int, list[int]]
+) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """The adjacency with every relay cut out and its neighbours joined: an ALL_TO_ALL
+    runs inside its reader's program, so to the scheduler the reader reads its source."""
+    if not relays:
+        return preds, succs
+    pred_sets = {u: set(p) - relays for u, p in preds.items() if u not in relays}
+    succ_sets = {u: set(s) - relays for u, s in succs.items() if u not in relays}
+    for r in relays:
+        for p in preds[r]:
+            succ_sets[p].update(succs[r])
+        for s in succs[r]:
+            pred_sets[s].update(preds[r])
+    return (
+        {u: sorted(p) for u, p in pred_sets.items()},
+        {u: sorted(s) for u, s in succ_sets.items()},
+    )
 
 
 def schedule_nodes(dag: TrainingDAG, groups: list[Group]) -> dict[Group, list[int]]:
     """Per-group node order by lockstep list scheduling (one node per group per round).
     ZeRO collectives are not scheduled (see `attach_collectives`): a gather counts as
     done from the start, the others when the node they serve is."""
-    serves = attached(dag)
+    relays = {u for u in dag.nodes if dag.nodes[u].kind is NodeKind.ALL_TO_ALL}
+    serves = {u: c for u, c in attached(dag).items() if u not in relays}
     after: dict[int, list[int]] = defaultdict(list)
     for u, carried in serves.items():
-        if not _gathers_before(dag, u):
+        if not _runs_before(dag, u):
             after[carried].append(u)
-    members = {u: [] if u in serves else member_groups(n, groups) for u, n in dag.nodes.items()}
-    preds, succs = dag.adjacency()
+    preds, succs = _bypass(relays, *dag.adjacency())
+    members = {u: [] if u in serves else member_groups(dag.nodes[u], groups) for u in preds}
     missing = {u: len(p) for u, p in preds.items()}
     ready: dict[Group, set[int]] = {g: set() for g in groups}
     done: set[int] = set()
@@ -75,7 +97,7 @@ def schedule_nodes(dag: TrainingDAG, groups: list[Group]) -> dict[Group, list[in
     arrived: dict[int, set[Group]] = defaultdict(set)
     waiting: dict[Group, int | None] = {g: None for g in groups}
     order: dict[Group, list[int]] = {g: [] for g in groups}
-    remaining = sum(len(members[u]) for u in dag.nodes)
+    remaining = sum(len(m) for m in members.values())
 
     def priority(u: int) -> tuple[int, int]:
         return (_PRIORITY.get(dag.nodes[u].kind, 2), u)
@@ -104,7 +126,7 @@ def schedule_nodes(dag: TrainingDAG, groups: list[Group]) -> dict[Group, list[in
             finish(v)
 
     for u in serves:
-        if _gathers_before(dag, u):
+        if _runs_before(dag, u):
             finish(u)
 
     while remaining:
@@ -168,8 +190,9 @@ def _stuck_report(dag: TrainingDAG, order: dict[Group, list[int]], at: dict[Grou
     return "\n".join(lines)
 
 
-def _gathers_before(dag: TrainingDAG, u: int) -> bool:
-    """A gather of a pass's parameters (it runs before the pass; the rest run after)."""
+def _runs_before(dag: TrainingDAG, u: int) -> bool:
+    """A gather of a pass's parameters (it runs before the pass it serves; the other
+    ZeRO collectives run after it)."""
     node = dag.nodes[u]
     return node.kind is NodeKind.ALL_GATHER and dag.nodes[node.carries].kind is NodeKind.COMPUTE
 
@@ -179,7 +202,9 @@ def attach_collectives(
 ) -> list[int]:
     """`uids` (a group's scheduled nodes) with each ZeRO collective of the group put next
     to the node it serves, or around the overlap unit holding that node: gathers before,
-    reduce-scatters and gathers of updated shards after (`serves`: `attached(dag)`)."""
+    reduce-scatters and gathers of updated shards after; each ALL_TO_ALL just before its
+    reader, inside the reader's unit, after the pass it reads from (`serves`:
+    `attached(dag)`)."""
     before: dict[object, list[int]] = defaultdict(list)
     after: dict[object, list[int]] = defaultdict(list)
 
@@ -187,14 +212,20 @@ def attach_collectives(
         overlap = dag.nodes[u].overlap
         return ("node", u) if overlap is None else ("overlap", overlap)
 
+    relays: dict[int, list[int]] = defaultdict(list)  # inside a unit, after its source
     for u, carried in sorted(serves.items()):
-        if dag.nodes[u].devices == group:
-            (before if _gathers_before(dag, u) else after)[unit(carried)].append(u)
+        if dag.nodes[u].devices != group:
+            continue
+        if dag.nodes[u].kind is NodeKind.ALL_TO_ALL:
+            relays[carried].append(u)
+        else:
+            (before if _runs_before(dag, u) else after)[unit(carried)].append(u)
     out: list[int] = []
     for i, u in enumerate(uids):
         key = unit(u)
         if i == 0 or unit(uids[i - 1]) != key:
             out += before.pop(key, [])
+        out += relays.pop(u, [])
         out.append(u)
         if i + 1 == len(uids) or unit(uids[i + 1]) != key:
             out += after.pop(key, [])
@@ -230,12 +261,14 @@ def sink_receives(dag: TrainingDAG, uids: list[int], units: dict[int, object]) -
 
 def unit_keys(dag: TrainingDAG, fuse_collectives: bool) -> dict[int, object]:
     """Consecutive nodes of a group with one key run as one step: an overlap unit's
-    members, and with `fuse_collectives` each ZeRO collective with the node it serves."""
+    members, each ALL_TO_ALL with its reader (it runs inside the reader's program, Note
+    [experts over ep]), and with `fuse_collectives` each ZeRO collective with the node it
+    serves."""
     keys: dict[int, object] = {}
     for u, n in dag.nodes.items():
         keys[u] = ("overlap", n.overlap) if n.overlap is not None else ("node", u)
-    if fuse_collectives:
-        for u, n in dag.nodes.items():
-            if n.kind in ZERO_COLLECTIVES and n.carries is not None:
-                keys[u] = keys[n.carries]
+    for u, n in dag.nodes.items():
+        fused = n.kind is NodeKind.ALL_TO_ALL or (fuse_collectives and n.kind in ZERO_COLLECTIVES)
+        if fused and n.carries is not None:
+            keys[u] = keys[n.carries]
     return keys

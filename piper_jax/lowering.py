@@ -30,7 +30,7 @@ from piper_jax.directives.types import Replicate
 from piper_jax.ir import build_dag, lift
 from piper_jax.ir.dag import NodeKind, TrainingDAG
 from piper_jax.ir.errors import AnnotationError, BatchError, DirectiveError, PiperError, PlanError
-from piper_jax.ir.layout import DP, EP, group_str
+from piper_jax.ir.layout import DP, group_str
 from piper_jax.ir.lift import LiftedLoss
 from piper_jax.mpmd_runtime.buffers import value_avals
 from piper_jax.mpmd_runtime.instructions import SEND
@@ -115,8 +115,11 @@ class Lowered:
                 f"  region {r.index} {r}: {len(r.param_ids)} params, on {meshes[r.index]}; "
                 f"{layouts[r.index]}"
             )
-            if any(EP in spec for _, spec in layouts[r.index].tensor):
-                line += "; its tokens come (dispatch) and go (combine) by all-to-all over ep"
+            if layouts[r.index].holds_experts:
+                line += (
+                    "; its tokens come (dispatch) and go (combine) by all-to-all over ep "
+                    "(the ALL_TO_ALL steps of its plan)"
+                )
             lines.append(line)
         lines.append("plan grid (rows: replay rounds, columns: device groups; a + b: one program):")
         lines.append(self.plans.grid())

@@ -9,6 +9,7 @@ import json
 import optax
 import pytest
 from helpers import StageMLP, check_mlp_strategy, mlp_batches, mlp_loss
+from piper_jax.ir.dag import EdgeKind, NodeKind
 from piper_jax.mpmd_runtime import buffers as bf
 
 import piper_jax as piper
@@ -62,11 +63,38 @@ def test_experts_split_over_ep_train_like_one_device(name: str) -> None:
     assert {s.data.shape[0] for s in experts.addressable_shards} == {EXPERTS // ep}
 
 
-def test_expert_programs_hold_the_all_to_all() -> None:
-    """Tokens go to their experts' devices and back by all-to-all, not by gathering."""
-    step = check_mlp_strategy(stages_on([[0, 1]], ep=2, m=1), OPT, 1, experts=EXPERTS)
+def test_tokens_move_only_at_the_all_to_all_nodes() -> None:
+    """shard puts an ALL_TO_ALL on every data edge into an expert pass (dispatch) and out
+    of it (combine), forward and backward; each runs fused just before its reader, and
+    XLA makes each one all-to-all in that program (left to itself, it moves the
+    backward's tokens in three), with none in other programs (tokens are not gathered)."""
+    step = check_mlp_strategy(stages_on([[0, 1], [2, 3]], ep=2, m=1), OPT, 2, experts=EXPERTS)
+    dag = step.dag
+    passes = [n for n in dag.compute_nodes() if n.param_layout.holds_experts]
+    assert sorted(n.compute_label() for n in passes) == ["B1.0", "B4.0", "F1.0", "F4.0"]
+
+    def others(uids: list[int], region: int) -> list:  # other passes, or all-to-alls
+        nodes = [dag.nodes[u] for u in uids]
+        compute = [x for x in nodes if x.kind is NodeKind.COMPUTE and x.region != region]
+        return compute + [x for x in nodes if x.kind is NodeKind.ALL_TO_ALL]
+
+    for n in passes:
+        ins = others(dag.preds(n.uid, EdgeKind.DATA), n.region)
+        outs = others(dag.succs(n.uid, EdgeKind.DATA), n.region)
+        assert [(r.kind, r.value[:9]) for r in ins] == [(NodeKind.ALL_TO_ALL, "dispatch[")]
+        assert outs and {(r.kind, r.value[:8]) for r in outs} == {
+            (NodeKind.ALL_TO_ALL, "combine[")
+        }
+    for steps in step.plans.steps.values():
+        for s in steps:
+            for i, ins in enumerate(s.instructions):
+                if ins.op == "ALL_TO_ALL":
+                    assert str(s.instructions[i + 1]) == ins.value.split(">")[1][:-1], s
     texts = step._executor.program_texts()
-    assert any("all-to-all" in t for t in texts.values()), sorted(texts)
+    moves = {label: t.count("all-to-all(") for label, t in texts.items()}
+    assert all(n == 1 for label, n in moves.items() if "ALL_TO_ALL" in label), moves
+    assert not any(n for label, n in moves.items() if "ALL_TO_ALL" not in label), moves
+    assert sum("ALL_TO_ALL" in label for label in moves) == 8, moves
 
 
 def test_reference_json_pp2_dp2_ep2_trains_like_the_reference(tmp_path) -> None:
