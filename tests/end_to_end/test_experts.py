@@ -82,9 +82,7 @@ def test_tokens_move_only_at_the_all_to_all_nodes() -> None:
         ins = others(dag.preds(n.uid, EdgeKind.DATA), n.region)
         outs = others(dag.succs(n.uid, EdgeKind.DATA), n.region)
         assert [(r.kind, r.value[:9]) for r in ins] == [(NodeKind.ALL_TO_ALL, "dispatch[")]
-        assert outs and {(r.kind, r.value[:8]) for r in outs} == {
-            (NodeKind.ALL_TO_ALL, "combine[")
-        }
+        assert outs and {(r.kind, r.value[:8]) for r in outs} == {(NodeKind.ALL_TO_ALL, "combine[")}
     for steps in step.plans.steps.values():
         for s in steps:
             for i, ins in enumerate(s.instructions):
