@@ -1,27 +1,57 @@
-"""Pipeline efficiency of a 2-stage 1F1B across 2 processes, one CPU thread each.
+"""Pipeline efficiency of a 2-stage pipeline across 2 processes, one CPU thread each, against
+the single-process baselines and the hand-written SPMD pipeline JAX users write today.
 
 Model: tests/helpers.StageMLP(2, width=W), a 2-region residual MLP, trained with SGD on a
-(B, 8) batch cut into m microbatches.
-  baseline: one process, one thread (pinned to core 0), directives = [split(m)] only,
-            so it does the same per-microbatch math as the pipeline, in sequence;
-  pipeline: 2 processes via piper-launch (rank r pinned to core r % cpu_count), stage s
-            on the device of process s, schedules.one_f_one_b(2, m).
-One thread: XLA_FLAGS="--xla_cpu_multi_thread_eigen=false"
-in the children's environment, plus os.sched_setaffinity to one core. Each child times
-`step(batch)` (which returns host floats, so it is synchronous) and prints one RESULT
-line; this script prints baseline and pipelined step time, speedup = baseline/pipelined,
-the 1F1B ideal 2m/(m+1) (bubble (p-1)/(m+p-1) with p=2), and speedup/ideal, over
-all steps pooled and per round (baseline and pipeline alternate; the CPU time other
-processes used just before each round is shown, as the 2-core machine is shared).
-W=2048: a baseline step takes ~230-300 ms on one core (~15 ms of compute per stage and
-microbatch, against ~0.5-1 ms per 256 KiB activation transfer); about a minute in all.
+(B, 8) batch cut into m microbatches; every variant does the same per-microbatch math
+(its losses are checked equal to jit1's). Variants (--variants picks some):
+  jit1:   one process: ONE `jax.jit` of the whole step (a scan over the microbatches
+          accumulating value_and_grad, then the SGD update; benchmarks/plain_steps.py).
+          The fair single-process baseline; speedups are against it.
+  piper1: one process: piper-jax with directives = [split(m)] only (the microbatches in
+          sequence, one program call each).
+  1f1b:   2 processes: piper-jax, stage s on the device of process s,
+          schedules.one_f_one_b(2, m).
+  zbh1:   2 processes: the same with schedules.zero_bubble_h1(2, m) (backward split into
+          BI and BW, the BWs deferred into the cool-down bubble).
+  spmd:   2 processes: GPipe hand-written as one SPMD program over a 2-device mesh that
+          spans both processes (shard_map over the stacked stage weights, ppermute of the
+          activations, jax.grad of the whole; benchmarks/plain_steps.py); both processes
+          call the same jitted step.
+2-process variants start via `python -m piper_jax.launch --nprocs 2` (rank r pinned to
+core r % cpu_count, piper_jax.distributed.initialize(), one CPU device per process);
+1-process ones are pinned to core 0. One thread: XLA_FLAGS="--xla_cpu_multi_thread_eigen=false"
+in every child's environment, plus os.sched_setaffinity to one core. Each variant runs in
+its own child process (with a timeout), times `step(batch)` (which returns the loss as a
+host float, so it is synchronous) and prints one RESULT line; a 2-process step lasts until
+both ranks finish it. Rounds alternate the variants (the order rotates each round), so that
+drifting background load hits all; the CPU time other processes used just before each
+round is shown, as the 2-core machine is shared.
+Per m, the table gives each variant's median step over all rounds' steps, the range of its
+per-round medians, the speedup over jit1, for 2-process variants the fraction of the ideal
+2m/(m+1) (bubble (p-1)/(m+p-1) with p=2), each rank's process CPU time per timed step
+(median over rounds; all threads of the process: compute, dispatch, and any busy-waiting
+in transfers), and the time to build and run the warm-up steps. For each piper variant it
+also gives, per rank and from the last round, the closures dispatched per step (one per
+plan step, FREEs included) and their instructions by op, the time the host spends in the
+dispatch loop (`Executor.run`, before waiting for the results: it includes any waiting for
+the peer inside a cross-process transfer) of a whole step, and the count and median per
+kind of one instrumented step (`Executor.run_recorded`, the measurement behind
+TrainStep.measure_costs, which waits for each closure in turn and so serialises the
+devices). At a small width (--width 16) the step time per closure is the runtime's cost
+per instruction: host dispatch and, across processes, the transfers' latency.
+W=2048, B=256 on a 2-core machine: a jit1 step took 100-235 ms (m=4..16); in piper one
+stage's F and B on a 32-row microbatch took ~3 and ~8 ms, one 256 KiB activation transfer
+between the processes ~0.5-5 ms. Each child takes ~5-15 s, most of it start-up and
+compilation; all five variants for -m 4 8 16, 3 rounds, about 7-8 minutes.
 
-Run: .venv/bin/python benchmarks/pipeline_efficiency.py [--width 2048 --batch 256 -m 8]
+Run: .venv/bin/python benchmarks/pipeline_efficiency.py [--width 2048 --batch 256 -m 4 8
+     --variants jit1 1f1b zbh1 spmd --rounds 3 --steps 8]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import subprocess
@@ -32,18 +62,28 @@ import numpy as np
 
 ONE_THREAD = "--xla_cpu_multi_thread_eigen=false"  # XLA ignores every flag after a bad token
 HERE = os.path.dirname(os.path.abspath(__file__))
+PROCESSES = {"jit1": 1, "piper1": 1, "1f1b": 2, "zbh1": 2, "spmd": 2}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--width", type=int, default=2048, help="MLP width W (default 2048)")
     p.add_argument("--batch", type=int, default=256, help="global batch size (default 256)")
-    p.add_argument("-m", "--microbatches", type=int, default=8, help="microbatches (default 8)")
+    p.add_argument(
+        "-m", "--microbatches", type=int, nargs="+", default=[8], help="microbatches (default 8)"
+    )
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        choices=list(PROCESSES),
+        default=["jit1", "piper1", "1f1b", "zbh1", "spmd"],
+        help="variants to race (default all)",
+    )
     p.add_argument("--steps", type=int, default=8, help="timed steps (default 8)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
-    p.add_argument("--rounds", type=int, default=3, help="baseline/pipeline runs (default 3)")
+    p.add_argument("--rounds", type=int, default=3, help="runs of every variant (default 3)")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per child run")
-    p.add_argument("--role", choices=["baseline", "pipeline"], help=argparse.SUPPRESS)
+    p.add_argument("--role", choices=list(PROCESSES), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -54,45 +94,86 @@ def child(args: argparse.Namespace) -> None:
     os.sched_setaffinity(0, {core})  # before JAX starts any thread
     import piper_jax.distributed as dist
 
-    if args.role == "pipeline":
+    if PROCESSES[args.role] > 1:
         dist.initialize()
     import jax
 
     jax.config.update("jax_platforms", "cpu")
     import optax
 
-    sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+    sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
     from helpers import StageMLP, mlp_batches, mlp_loss
 
-    import piper_jax as piper
-    from piper_jax import schedules
-
-    m = args.microbatches
-    directives = [piper.split({"PP": "*"}, num_microbatches=m)]
-    if args.role == "pipeline":
-        directives += [piper.place({"PP": s}, [s]) for s in range(2)]
-        directives += schedules.one_f_one_b(2, m)
+    (m,) = args.microbatches
     batch = mlp_batches(1, batch_size=args.batch)[0]
     model = StageMLP(2, width=args.width)
     t0 = time.perf_counter()
-    step = piper.compile(mlp_loss, model, optax.sgd(1e-4), batch, directives)
-    losses = [step(batch)["loss"] for _ in range(args.warmup)]  # also compiles the programs
+    step, probe = build(args.role, model, mlp_loss, optax.sgd(1e-4), batch, m)
+    losses = [step(batch) for _ in range(args.warmup)]  # also compiles the programs
     compile_s = time.perf_counter() - t0
     times = []
+    cpu = time.process_time()
     for _ in range(args.steps):
         t = time.perf_counter()
-        losses.append(step(batch)["loss"])
+        losses.append(step(batch))
         times.append(time.perf_counter() - t)
+    cpu = (time.process_time() - cpu) / args.steps
     result = {
         "role": args.role,
         "rank": rank,
-        "core": core,
         "affinity": sorted(os.sched_getaffinity(0)),
         "times": times,
+        "cpu_s": cpu,
         "compile_s": compile_s,
-        "losses": [float(x) for x in losses],
+        "losses": losses,
+        "probe": probe(batch) if probe else None,
     }
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def build(role: str, model, loss_fn, optimizer, batch: dict, m: int) -> tuple:
+    """The variant's `step(batch) -> loss` and, for piper, a probe of its dispatch."""
+    import plain_steps
+
+    if role == "jit1":
+        return plain_steps.jit1_step(model, loss_fn, optimizer, m), None
+    if role == "spmd":
+        return plain_steps.spmd_gpipe_step(model, optimizer, m), None
+    import piper_jax as piper
+    from piper_jax import schedules
+
+    directives = [piper.split({"PP": "*"}, num_microbatches=m)]
+    if role != "piper1":
+        directives += [piper.place({"PP": s}, [s]) for s in range(2)]
+        builder = schedules.one_f_one_b if role == "1f1b" else schedules.zero_bubble_h1
+        directives += builder(2, m)
+    train = piper.compile(loss_fn, model, optimizer, batch, directives)
+    return (lambda b: train(b)["loss"]), (lambda b: probe_dispatch(train, b))
+
+
+def probe_dispatch(train, batch: dict) -> dict:
+    """What this process dispatches per step, and where its host time goes (two more
+    steps, after the timed ones). Reads the executor's internals; changes nothing."""
+    ex = train._executor
+    steps = [ex.plans.steps[members[0]][index[0]] for members, index in ex.step_events]
+    ops = collections.Counter(i.op for s in steps for i in s.instructions)
+    leaves = train._batch_leaves(batch)
+    t0 = time.perf_counter()
+    ex.run(leaves)
+    t1 = time.perf_counter()
+    ex.metrics()  # waits for the step to finish
+    t2 = time.perf_counter()
+    kinds: dict[str, list[float]] = {}
+    for e in ex.run_recorded(leaves):
+        kinds.setdefault(e.kind, []).append(e.end - e.start)
+    return {
+        "programs": len(ex.steps),
+        "instructions": sum(ops.values()),
+        "ops": dict(ops),
+        "dispatch_s": t1 - t0,
+        "step_s": t2 - t0,
+        "recorded": {k: [len(v), float(np.median(v)), float(np.sum(v))] for k, v in kinds.items()},
+    }
 
 
 def busy_cores(seconds: float = 1.0) -> float:
@@ -128,60 +209,97 @@ def run_child(cmd: list[str], timeout: float) -> list[dict]:
     return results
 
 
+def run_variant(args: argparse.Namespace, variant: str, m: int) -> list[dict]:
+    """One child run of `variant`: its result per rank."""
+    me = os.path.abspath(__file__)
+    flags = [f"--width={args.width}", f"--batch={args.batch}", f"-m={m}"]
+    flags += [f"--steps={args.steps}", f"--warmup={args.warmup}", f"--role={variant}"]
+    n = PROCESSES[variant]
+    if n == 1:
+        return run_child([sys.executable, me, *flags], args.timeout)
+    launch = [sys.executable, "-m", "piper_jax.launch", "--nprocs", str(n)]
+    ranks = run_child([*launch, "--timeout", str(args.timeout), me, *flags], args.timeout + 30)
+    if len(ranks) != n:
+        raise SystemExit(f"{variant}: expected {n} ranks, got {len(ranks)}")
+    return sorted(ranks, key=lambda r: r["rank"])
+
+
+def measure(args: argparse.Namespace, m: int) -> None:
+    """Race the variants for `m` microbatches and print the table."""
+    variants = args.variants
+    times = {v: [] for v in variants}  # every timed step of every round
+    rounds = {v: [] for v in variants}  # per-round medians
+    cpu = {v: [] for v in variants}  # per round, each rank's CPU time per step
+    losses, compile_s, probes, busy = {}, {}, {}, []
+    for r in range(args.rounds):
+        busy.append(busy_cores())
+        for v in variants[r % len(variants) :] + variants[: r % len(variants)]:
+            ranks = run_variant(args, v, m)
+            steps = [max(ts) for ts in zip(*(x["times"] for x in ranks))]  # all ranks done
+            times[v] += steps
+            rounds[v].append(float(np.median(steps)))
+            cpu[v].append([x["cpu_s"] for x in ranks])
+            losses.update({(v, x["rank"]): x["losses"] for x in ranks})
+            compile_s[v] = max(x["compile_s"] for x in ranks)
+            probes[v] = [x["probe"] for x in ranks]
+    busy.append(busy_cores())
+    ideal = 2 * m / (m + 1)
+    med = {v: float(np.median(times[v])) for v in variants}
+    ref = "jit1" if "jit1" in variants else variants[0]
+    print(
+        f"\nStageMLP(2, width={args.width}), batch {args.batch}, m={m}, SGD; {args.rounds} "
+        f"rounds x {args.steps} steps (after {args.warmup}) per variant, 1 CPU thread per "
+        f"process; ideal 2-process speedup 2m/(m+1) = {ideal:.3f}"
+    )
+    head = f"{'variant':<8} {'procs':>5} {'median ms':>10} {'round medians ms':>18} "
+    print(head + f"{'vs ' + ref:>8} {'of ideal':>9} {'CPU ms/step/rank':>17} {'build s':>8}")
+    for v in variants:
+        lo, hi = min(rounds[v]), max(rounds[v])
+        speedup = med[ref] / med[v]
+        of_ideal = f"{speedup / ideal:.3f}" if PROCESSES[v] > PROCESSES[ref] else "-"
+        spread = f"{lo * 1e3:.1f}-{hi * 1e3:.1f}"
+        used = "+".join(f"{t * 1e3:.0f}" for t in np.median(cpu[v], axis=0))
+        print(
+            f"{v:<8} {PROCESSES[v]:>5} {med[v] * 1e3:>10.1f} {spread:>18} "
+            f"{speedup:>8.3f} {of_ideal:>9} {used:>17} {compile_s[v]:>8.1f}"
+        )
+    base = losses[(ref, 0)]
+    same = {k: bool(np.allclose(x, base, rtol=1e-5)) for k, x in losses.items()}
+    print(
+        f"losses equal to {ref} rank 0's (rtol 1e-5): "
+        + ", ".join(f"{v} rank {r}: {ok}" for (v, r), ok in same.items())
+    )
+    print(f"other work on the {os.cpu_count()} cores before each round: ", end="")
+    print(" ".join(f"{b:.2f}" for b in busy[:-1]) + f"; after: {busy[-1]:.2f}", end="")
+    print(" (over 0.2 cores: numbers disturbed)" if max(busy) > 0.2 else "")
+    print(
+        "per round medians (ms): "
+        + "; ".join(f"{v} " + " ".join(f"{x * 1e3:.1f}" for x in rounds[v]) for v in variants)
+    )
+    for v, per_rank in probes.items():
+        for rank, p in enumerate(per_rank):
+            if p is None:
+                continue
+            recorded = ", ".join(
+                f"{k} {n}x{t * 1e3:.2f}ms" for k, (n, t, _) in sorted(p["recorded"].items())
+            )
+            print(
+                f"{v} rank {rank}: {p['programs']} programs, {p['instructions']} instructions "
+                f"({p['ops']}) per step; dispatch loop {p['dispatch_s'] * 1e3:.1f} ms of a "
+                f"{p['step_s'] * 1e3:.1f} ms step ({p['dispatch_s'] / p['programs'] * 1e6:.0f} "
+                f"us per program); instrumented step: {recorded}"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse(argv)
+    args = parse(sys.argv[1:] if argv is None else argv)
     if args.role:
         child(args)
         return 0
-    me = os.path.abspath(__file__)
-    launch = [sys.executable, "-m", "piper_jax.launch", "--nprocs", "2", "--timeout"]
-    launch += [str(args.timeout), me, *argv, "--role", "pipeline"]
-    base, piped, losses, busy, per_round = [], [], {}, [], []
-    for _ in range(args.rounds):  # alternate, so that drifting background load hits both
-        busy.append(busy_cores())
-        (b,) = run_child([sys.executable, me, *argv, "--role", "baseline"], args.timeout)
-        ranks = run_child(launch, args.timeout + 30)
-        if len(ranks) != 2:
-            raise SystemExit(f"expected 2 pipeline ranks, got {len(ranks)}")
-        pipe_times = [max(ts) for ts in zip(*(r["times"] for r in ranks))]  # both stages done
-        per_round.append((np.median(b["times"]), np.median(pipe_times)))
-        base += b["times"]
-        piped += pipe_times
-        losses.update(
-            {"baseline": b["losses"], **{f"rank {r['rank']}": r["losses"] for r in ranks}}
-        )
-        compile_s = max(r["compile_s"] for r in ranks)
-    m = args.microbatches
-    ideal = 2 * m / (m + 1)
-    same = all(np.allclose(v, losses["baseline"], rtol=1e-5) for v in losses.values())
-    print(
-        f"pipeline efficiency: StageMLP(2, width={args.width}), batch {args.batch}, m={m}, SGD; "
-        f"{args.rounds} rounds x {args.steps} steps (after {args.warmup}) per side, "
-        f"1 CPU thread per process; pipeline build+warmup {compile_s:.1f} s"
-    )
-    print(f"losses of baseline and both pipeline ranks identical (rtol 1e-5): {same}")
-    t = {"median": (np.median(base), np.median(piped)), "min": (np.min(base), np.min(piped))}
-    speedup = {k: b / p for k, (b, p) in t.items()}
-    rows = [
-        ("baseline step (1 process)", {k: f"{b * 1e3:.1f} ms" for k, (b, _) in t.items()}),
-        ("pipelined step (2 processes)", {k: f"{p * 1e3:.1f} ms" for k, (_, p) in t.items()}),
-        ("speedup = baseline / pipelined", {k: f"{v:.3f}" for k, v in speedup.items()}),
-        (f"ideal 1F1B = 2m/(m+1), m={m}", {k: f"{ideal:.3f}" for k in t}),
-        ("speedup / ideal", {k: f"{v / ideal:.3f}" for k, v in speedup.items()}),
-    ]
-    print(f"{'':<32} {'median':>10} {'min':>10}")
-    for label, v in rows:
-        print(f"{label:<32} {v['median']:>10} {v['min']:>10}")
-    busy.append(busy_cores())
-    print(f"per round (other work on the {os.cpu_count()} cores sampled before each round):")
-    for i, (b, p) in enumerate(per_round):
-        print(
-            f"  round {i}: other work {busy[i]:.2f} cores; baseline {b * 1e3:.1f} ms, "
-            f"pipelined {p * 1e3:.1f} ms, speedup {b / p:.3f} ({b / p / ideal:.3f} of ideal)"
-        )
-    print(f"  after: other work {busy[-1]:.2f} cores", end="")
-    print(" (over 0.2 cores anywhere: numbers disturbed)" if max(busy) > 0.2 else "")
+    t0 = time.perf_counter()
+    for m in args.microbatches:
+        measure(args, m)
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
     return 0
 
 
