@@ -149,3 +149,16 @@ def test_ep_group_split_another_way_is_refused() -> None:
     ]
     with pytest.raises(piper.DirectiveError, match=r"one device group has one layout|split in"):
         compile_experts(directives)
+
+
+def test_two_ep_widths_on_one_group_are_refused() -> None:
+    """One group's replicas cannot be dp=2 x ep=2 for one expert region and dp=1 x ep=4
+    for another: the ep and dp runs would overlap."""
+    group = [0, 1, 2, 3]
+    directives = [piper.place({"PP": "*"}, group), piper.replicate({"PP": "*"}, group)]
+    directives += [
+        piper.shard({"PP": 0, "EP": "*"}, [0, 1]),
+        piper.shard({"PP": 1, "EP": "*"}, group),
+    ]
+    with pytest.raises(piper.DirectiveError, match=r"dp=2 x ep=2 .* dp=1 x ep=4 by shard"):
+        compile_experts(directives)

@@ -1,9 +1,9 @@
 """The example MoE transformer under expert parallelism, trained equal to single-device
-training (same routing, same capacity, the auxiliary loss included): EP alone, and the
-paper's PP=2 x DP=2 x EP=2 under DualPipeV with ZeRO-1, where in the fused
-forward-and-backward programs one microbatch's all-to-all is scheduled among the other's
-compute. (EP=4, PP=2 x EP=2, and PP=2 x DP=2 x EP=2 under 1F1B run on the test MLP's toy
-experts in test_experts.py.)"""
+training (same routing, same capacity, the auxiliary loss included): EP=2 and EP=4
+alone, PP=2 x EP=2, PP=2 x DP=2 x EP=2 under 1F1B, and the paper's PP=2 x DP=2 x EP=2
+under DualPipeV with ZeRO-1, where in the fused forward-and-backward programs one
+microbatch's all-to-all is scheduled among the other's compute. (PP=2 x EP=2 across two
+processes: tests/multiprocess.)"""
 
 from __future__ import annotations
 
@@ -49,6 +49,15 @@ def split(m: int) -> list:
 DP2 = [[0, 1, 2, 3], [4, 5, 6, 7]]
 CASES = {
     "ep2": (1, lambda: stages_on([[0, 1]], 2, [0])),
+    "ep4": (1, lambda: stages_on([[0, 1, 2, 3]], 4, [0])),
+    "pp2_ep2": (
+        2,
+        lambda: split(2) + stages_on([[0, 1], [2, 3]], 2, [0, 1]) + schedules.one_f_one_b(2, 2),
+    ),
+    "pp2_dp2_ep2_1f1b": (
+        2,
+        lambda: split(4) + stages_on(DP2, 2, [0, 1]) + schedules.one_f_one_b(2, 4),
+    ),
     "pp2_dp2_ep2_dualpipev_zero1": (
         4,
         lambda: (

@@ -45,6 +45,7 @@ def launch(nprocs: int, devices: int, *args: str, timeout: float = 240) -> str:
         (2, 1, "tp2_spanning"),
         (2, 2, "pp2_tp2_per_process"),
         (2, 2, "pp2_ep2_per_process"),
+        (2, 2, "moe_pp2_ep2_per_process"),
     ],
 )
 def test_strategy_matches_single_device_on_every_process(nprocs, devices, strategy) -> None:

@@ -13,8 +13,10 @@ dist.initialize()
 import jax  # noqa: E402
 import optax  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from helpers import check_mlp_strategy  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from flax import nnx  # noqa: E402
+from helpers import assert_matches_reference, check_mlp_strategy, token_batches  # noqa: E402
 
 import piper_jax as piper  # noqa: E402
 from piper_jax import schedules  # noqa: E402
@@ -67,10 +69,38 @@ def strategy(name: str) -> tuple[int, list]:
     raise SystemExit(f"unknown strategy {name}")
 
 
+def check_moe_pp2_ep2() -> None:
+    """The example MoE transformer, one stage per process, each stage's experts split
+    over its process's two devices (routing, capacity and the aux loss as on one device)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples"))
+    from moe import MoEConfig, MoETransformer, loss_fn
+
+    cfg = MoEConfig(d_model=16, n_heads=2, n_layers=2, num_stages=2, d_expert=32)
+    directives = [piper.split({"PP": "*"}, num_microbatches=2)]
+    for s, devices in enumerate(([0, 1], [2, 3])):
+        directives += [
+            piper.place({"PP": s}, devices),
+            piper.replicate({"PP": s}, devices),
+            piper.shard({"PP": s, "EP": "*"}, devices),
+        ]
+    directives += schedules.one_f_one_b(2, 2)
+
+    def make() -> MoETransformer:
+        return MoETransformer(cfg, rngs=nnx.Rngs(0))
+
+    batches = token_batches(2, cfg.vocab_size, 8, batch_size=8)
+    opt = optax.adamw(1e-2, eps=1e-4)
+    step = piper.compile(loss_fn, make(), opt, batches[0], directives)
+    assert_matches_reference(step, loss_fn, make, opt, batches)
+
+
 def main() -> None:
-    num_stages, directives = strategy(sys.argv[1])
-    experts = 4 if "_ep" in sys.argv[1] else 0  # the toy expert layers of StageMLP
-    check_mlp_strategy(directives, optax.adam(1e-2), num_stages, experts=experts)
+    if sys.argv[1] == "moe_pp2_ep2_per_process":
+        check_moe_pp2_ep2()
+    else:
+        num_stages, directives = strategy(sys.argv[1])
+        experts = 4 if "_ep" in sys.argv[1] else 0  # the toy expert layers of StageMLP
+        check_mlp_strategy(directives, optax.adam(1e-2), num_stages, experts=experts)
     print(f"ORACLE OK process {jax.process_index()} of {jax.process_count()}", flush=True)
 
 
