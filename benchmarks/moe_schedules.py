@@ -6,8 +6,9 @@ two processes of 4 devices each under piper-launch, one pipeline rank per proces
 compiles the strategy, trains --steps measured steps and reports the median step time
 and the peak bytes of activations per device (`step.memory()`); in one process it also
 simulates the plans on costs measured per program (`measure_costs`). Each schedule runs
-twice: with the experts split over `ep` (EP=2, all-to-all inside the programs), and with
-the same devices as plain data parallelism (EP=1, no all-to-all). Their difference is
+twice: with the experts split over `ep` (EP=2: ALL_TO_ALL steps, each fused into the
+program of the pass it feeds), and with the same devices as plain data parallelism
+(EP=1, no all-to-all). Their difference is
 the all-to-all's cost in the step (with the different work split it brings), shown as a
 share of the EP=2 step: DualPipeV's overlap groups run one microbatch's all-to-all
 inside the same program as another microbatch's compute, 1F1B and interleaved do not.

@@ -95,14 +95,22 @@ def test_tokens_move_only_at_the_all_to_all_nodes() -> None:
     assert sum("ALL_TO_ALL" in label for label in moves) == 8, moves
 
 
-def test_reference_json_pp2_dp2_ep2_trains_like_the_reference(tmp_path) -> None:
-    """The reference's ops, as its files write them: place, replicate (one stage with
-    ZeRO's fields), shard with its stream, and the empty split filter."""
+@pytest.mark.parametrize(
+    "zero",
+    [
+        {"shard_grads": True, "bucket_size": 0.001, "reduce_stream": "rs"},
+        {"shard_params": True},
+    ],
+    ids=["shard_grads", "shard_params"],
+)
+def test_reference_json_pp2_dp2_ep2_trains_like_the_reference(tmp_path, zero: dict) -> None:
+    """The reference's ops, as its files write them: place, replicate (one stage plain,
+    one with ZeRO's fields), shard with its stream, and the empty split filter."""
     entries = [{"op": "split", "filter": {}, "dim_name": "MB", "num_microbatches": 2}]
     for s, devices in enumerate(([0, 1, 2, 3], [4, 5, 6, 7])):
         replicate = {"op": "replicate", "filter": {"PP": s}, "devices": devices}
         if s:
-            replicate |= {"shard_grads": True, "bucket_size": 0.001, "reduce_stream": "rs"}
+            replicate |= zero
         entries += [
             {"op": "place", "filter": {"PP": s}, "devices": devices},
             replicate,
