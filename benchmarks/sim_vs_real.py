@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     batch = {k: rng.normal(size=(args.batch_size, 8)).astype(np.float32) for k in ("x", "y")}
-    print(f"{'schedule':<12}{'predicted ms':>14}{'measured ms':>13}{'error':>8}")
+    print(f"{'schedule':<16}{'predicted ms':>14}{'measured ms':>13}{'error':>8}")
     errors = []
     for name in ("gpipe", "one_f_one_b", "zero_bubble_h1", "dualpipev"):
         stages = 4 if name == "dualpipev" else 2
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             times.append(time.perf_counter() - start)
         measured = statistics.median(times)
         errors.append((predicted - measured) / measured)
-        print(f"{name:<12}{predicted * 1e3:>14.1f}{measured * 1e3:>13.1f}{errors[-1]:>+8.1%}")
+        print(f"{name:<16}{predicted * 1e3:>14.1f}{measured * 1e3:>13.1f}{errors[-1]:>+8.1%}")
     print(f"median absolute error {statistics.median(abs(e) for e in errors):.1%}")
     return 0
 
