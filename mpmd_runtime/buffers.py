@@ -267,9 +267,11 @@ def _update_access(region: int, group: Group, ctx: PlanContext) -> Access:
     written = (
         [value(f"param[UPD{region}]")] if ctx.zero_level[group] == 2 else params
     )  # ZeRO-2 writes the updated shards, which its ALL_GATHER turns into parameters
+    # the accumulators are read, not consumed: donated, XLA would copy each one before
+    # writing zeros into its buffer (three passes over it); kept, it writes fresh zeros
     return Access(
         reads=tuple(dict.fromkeys((*params, *grads, *accs, state, *extra))),
-        consumes=frozenset({*params, state, *accs}),
+        consumes=frozenset({*params, state}),
         writes=(*written, state, *accs),
     )
 

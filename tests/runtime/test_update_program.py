@@ -1,0 +1,32 @@
+"""The optimizer update reads each gradient accumulator once and writes fresh zeros for
+the next step; it never copies an accumulator or a parameter (a donated accumulator made
+XLA copy it before zeroing its buffer: three passes over every gradient per step)."""
+
+from __future__ import annotations
+
+import re
+
+import optax
+from helpers import StageMLP, mlp_batches, mlp_loss
+
+import piper_jax as piper
+
+
+def test_update_copies_no_weight_sized_buffer() -> None:
+    width = 64
+    batch = mlp_batches(1)[0]
+    step = piper.compile(
+        mlp_loss,
+        StageMLP(2, width=width),
+        optax.sgd(0.1),
+        batch,
+        [piper.split({"PP": "*"}, num_microbatches=2)],
+    )
+    step(batch)
+    texts = step._executor.program_texts()
+    updates = {label: t for label, t in texts.items() if "UPD" in label}
+    assert updates, sorted(texts)
+    for label, text in updates.items():
+        entry = text[text.index("\nENTRY") :]
+        copies = re.findall(rf"= f32\[(?:1,)?{width},{width}\]\S* copy\(", entry)
+        assert not copies, (label, copies)
