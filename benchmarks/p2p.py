@@ -74,7 +74,7 @@ def bench(args: argparse.Namespace) -> None:
     rank = jax.process_index()
     dev0, dev1 = jax.devices()
     src_mesh, dst_mesh = group_mesh([dev0]), group_mesh([dev1])
-    pair = group_mesh([dev0, dev1])
+    pair = group_mesh([dev0, dev1], [("r", 2)])
     raw_program = jax.jit(
         jax.shard_map(
             lambda x: jax.lax.ppermute(x, "r", [(0, 1)]),
@@ -103,7 +103,8 @@ def bench(args: argparse.Namespace) -> None:
         n = SIZES[name] // 4
         warmup, reps = (max(1, round(r * args.reps_scale)) for r in REPS[name])
         # Runtime transfer: sender passes [array on its 1-device group], receiver None.
-        transfer = make_transfer(src_mesh, dst_mesh, [((1, n), np.float32)])
+        avals = [((1, n), np.float32)]
+        transfer = make_transfer(src_mesh, dst_mesh, avals, avals)
         if rank == 0:
             arg = [jax.device_put(np.ones((1, n), np.float32), stacked(src_mesh))]
         else:

@@ -168,7 +168,7 @@ def _cross_process_transfer(
         piece, rounds = plan
         me = jax.lax.axis_index(_UNION)
         block = x[0]
-        out = jnp.zeros(d_shape[1:], x.dtype)
+        out = None if piece is None else jnp.zeros(d_shape[1:], x.dtype)
         for moves in rounds:
             src_off = np.zeros(n_all, np.int32)
             dst_off = np.zeros(n_all, np.int32)
@@ -178,7 +178,9 @@ def _cross_process_transfer(
             perm = [(s, n_src + d) for s, _, d, _ in moves]
             if piece is None:
                 got = jax.lax.ppermute(block, _UNION, perm)
-                out = jnp.where(jnp.asarray(takes)[me], got, out)
+                # ppermute gives zeros to the devices a round sends nothing to: the first
+                # round's result is the output as it stands (no pass over the payload)
+                out = got if out is None else jnp.where(jnp.asarray(takes)[me], got, out)
                 continue
             part = jax.lax.dynamic_slice_in_dim(block, jnp.asarray(src_off)[me], piece, axis=0)
             got = jax.lax.ppermute(part, _UNION, perm)
