@@ -35,6 +35,7 @@ RANKS = ([0, 1, 2, 3], [4, 5, 6, 7])
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--processes", type=int, choices=(1, 2), default=1)
+    p.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
     p.add_argument("--steps", type=int, default=5, help="measured steps per run (5)")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=32)
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(header)
     print("-" * len(header))
-    for schedule in SCHEDULES:
+    for schedule in args.schedules:
         with_ep, without = run(args, argv, schedule, 2), run(args, argv, schedule, 1)
         share = (with_ep["measured"] - without["measured"]) / with_ep["measured"]
         simulated = f"{with_ep['predicted'] * 1e3:.1f}" if with_ep["predicted"] else "-"

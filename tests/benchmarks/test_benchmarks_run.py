@@ -1,0 +1,38 @@
+"""Every benchmark still runs (at toy size, numbers unchecked): they call the runtime's
+internals and the baselines directly, so an API change breaks them without breaking any
+other test. Each runs as a subprocess, as a user would run it, with a timeout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "benchmarks")
+
+RUNS = {
+    "p2p": ["--launch", "--sizes", "4KiB", "--reps-scale", "0.05"],
+    "pipeline_efficiency": [
+        "--width", "32", "--batch", "16", "-m", "2", "--rounds", "1", "--steps", "1",
+        "--warmup", "1",
+    ],
+    "sim_vs_real": ["--width", "32", "--batch-size", "16", "--m", "4", "--steps", "1"],
+    "plans_at_scale": ["--sizes", "small"],
+    "moe_schedules": [
+        "--schedules", "dualpipev", "--steps", "1", "--batch-size", "16", "--seq-len", "8",
+        "--d-model", "16",
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_benchmark_runs(name: str) -> None:
+    result = subprocess.run(
+        [sys.executable, os.path.join(BENCHMARKS, f"{name}.py"), *RUNS[name]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
