@@ -88,17 +88,21 @@ class UpdateProgram:
         return [zero.own_shard(p, replicas(self.mesh))[0] for p in params]
 
     def _step(self, params: list, grads: list, state: Any, total_sq: Any) -> tuple:
-        zero_ = jnp.zeros((), jnp.float32)
-        grads = [g.astype(p.dtype) for p, g in zip(params, grads)]
-        carrier = carrier_gradient(total_sq, grads) if self.carrier else zero_
-        p_tree = self._tree(params, zero_)
-        updates, new_state = self.optimizer.update(self._tree(grads, carrier), state, p_tree)
-        new_params = self._leaves(optax.apply_updates(p_tree, updates))
-        if self.guard:
-            finite = jnp.isfinite(total_sq)
-            new_params = [jnp.where(finite, n, p) for n, p in zip(new_params, params)]
-            new_state = jax.tree.map(lambda n, s: jnp.where(finite, n, s), new_state, state)
-        return new_params, new_state
+        def update(params: list, grads: list, state: Any) -> tuple:
+            zero_ = jnp.zeros((), jnp.float32)
+            grads = [g.astype(p.dtype) for p, g in zip(params, grads)]
+            carrier = carrier_gradient(total_sq, grads) if self.carrier else zero_
+            p_tree = self._tree(params, zero_)
+            updates, new_state = self.optimizer.update(self._tree(grads, carrier), state, p_tree)
+            return self._leaves(optax.apply_updates(p_tree, updates)), new_state
+
+        if not self.guard:
+            return update(params, grads, state)
+        # a conditional, not a select between new and old values: selecting made XLA copy
+        # every (donated) optimizer moment before updating it in place
+        return jax.lax.cond(
+            jnp.isfinite(total_sq), update, lambda p, g, s: (list(p), s), params, grads, state
+        )
 
     def _update_whole(self, params: list, grads: list, state: Any, total_sq: Any = None) -> tuple:
         return self._step(params, grads, state, total_sq)
