@@ -77,7 +77,8 @@ def _bypass(
 def schedule_nodes(dag: TrainingDAG, groups: list[Group]) -> dict[Group, list[int]]:
     """Per-group node order by lockstep list scheduling (one node per group per round).
     ZeRO collectives are not scheduled (see `attach_collectives`): a gather counts as
-    done from the start, the others when the node they serve is."""
+    done from the start, the others when the node they serve is. ALL_TO_ALLs are not
+    either: the scheduler sees their readers read their sources directly (`_bypass`)."""
     relays = {u for u in dag.nodes if dag.nodes[u].kind is NodeKind.ALL_TO_ALL}
     serves = {u: c for u, c in attached(dag).items() if u not in relays}
     after: dict[int, list[int]] = defaultdict(list)

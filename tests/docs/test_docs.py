@@ -86,6 +86,8 @@ def commands(code: str) -> list[list[str]]:
 
 
 def check_command(argv: list[str], where: str) -> None:
+    while re.match(r"^[A-Z_]+=", argv[0]):  # environment settings before the command
+        argv = argv[1:]
     program, args = os.path.basename(argv[0]), argv[1:]
     if program == "srun":
         return check_command(args, where)
