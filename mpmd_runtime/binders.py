@@ -229,7 +229,9 @@ def update_piece(rt: Runtime, g: Group, ins: Instruction) -> Piece:
             [env[bf.param(n)] for n in names], whole, env[state], *extra
         )
         out: Env = {state: new_state}
-        out.update((a, jnp.zeros_like(env[a])) for a in accs)
+        for a in accs:  # laid out as the group holds them, not replicated as XLA would
+            zeros = jnp.zeros_like(env[a])
+            out[a] = jax.lax.with_sharding_constraint(zeros, rt.acc_sharding(g, a.name))
         if level == 2:
             out[written[0]] = new_params
         elif level == 0:  # parameters keep their layout (split over tp or whole)

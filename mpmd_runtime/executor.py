@@ -94,6 +94,13 @@ class Runtime:
         spec = self.plans.tensor.get(g, {}).get(p, ())
         return NamedSharding(self.meshes[g], P(*(((pg.AXIS,) if stacked else ()) + spec)))
 
+    def acc_sharding(self, g: Group, name: str) -> Any:
+        """How group g holds a parameter's gradient accumulator: a row per replica, split
+        like the parameter, or under ZeRO-2/3 the replica's flat shard."""
+        if self.ctx.zero_level[g] >= 2:
+            return pg.stacked(self.meshes[g])
+        return self.param_sharding(g, name, stacked=True)
+
     def param_shape(self, name: str) -> tuple[int, ...]:
         return self.param_avals[name][0]
 

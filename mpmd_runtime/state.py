@@ -56,11 +56,8 @@ def init_state(rt: Runtime, values: Mapping[str, Any]) -> None:
         for name in held(rt, g):
             store[bf.param(name)] = place_param(rt, g, name, values[name])
             shape, dtype = rt.param_avals[name]
-            if level >= 2:
-                rows, sharding = (width, zero.shard_len(shape, width)), pg.stacked(mesh)
-            else:
-                rows, sharding = (width, *shape), rt.param_sharding(g, name, stacked=True)
-            store[bf.acc(name)] = host_to_group(np.zeros(rows, dtype), sharding)
+            rows = (width, zero.shard_len(shape, width)) if level >= 2 else (width, *shape)
+            store[bf.acc(name)] = host_to_group(np.zeros(rows, dtype), rt.acc_sharding(g, name))
     for r, g in updates(rt):
         if g in rt.local:
             program = rt.update_program(r, g)

@@ -33,3 +33,26 @@ def test_update_copies_no_weight_sized_buffer(optimizer: optax.GradientTransform
         entry = text[text.index("\nENTRY") :]
         copies = re.findall(rf"= f32\[(?:1,)?{width},{width}\]\S* copy\(", entry)
         assert not copies, (label, copies)
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["dp2", "dp2_zero2"])
+def test_accumulators_keep_one_row_per_device_across_steps(zero: bool) -> None:
+    """The fresh zeros an update writes lie as the accumulators did (a row, or a flat
+    shard, per replica), not replicated: every device held every replica's gradients
+    between the update and the next backward."""
+    from piper_jax.mpmd_runtime import buffers as bf
+
+    batch = mlp_batches(1)[0]
+    replicate = piper.replicate({"PP": "*"}, [0, 1], shard_grads=zero)
+    step = piper.compile(
+        mlp_loss,
+        StageMLP(2, width=16),
+        optax.adam(0.1),
+        batch,
+        [piper.split({"PP": "*"}, num_microbatches=2), replicate],
+    )
+    step(batch)
+    accs = [v for b, v in step._executor.rt.stores[(0, 1)].items() if b.kind is bf.Kind.ACC]
+    assert accs
+    for acc in accs:
+        assert {s.data.shape[0] for s in acc.addressable_shards} == {1}, acc.sharding
