@@ -103,3 +103,14 @@ def check_all_to_all_among_other_compute(texts: dict[str, str]) -> None:
             placed.append((label, compute[0] < a2a[0], a2a[-1] < compute[-1], len(a2a)))
     assert placed, "no fused unit holds an all-to-all"
     assert any(before and after for _, before, after, _ in placed), placed
+
+
+def test_evaluation_under_expert_parallelism_equals_the_plain_model() -> None:
+    """The held-out loss of PP=2 x EP=2 (forward-only plans, their own all-to-alls)
+    equals the plain model's on one device."""
+    cfg = config(2)
+    directives = split(2) + stages_on([[0, 1], [2, 3]], 2, [0, 1]) + schedules.one_f_one_b(2, 2)
+    batch = token_batches(1, cfg.vocab_size, SEQ_LEN, batch_size=BATCH)[0]
+    step = piper.compile(loss_fn, MoETransformer(cfg, rngs=nnx.Rngs(0)), OPT, batch, directives)
+    plain = loss_fn(MoETransformer(cfg, rngs=nnx.Rngs(0)), batch)
+    assert step.evaluate(batch)["loss"] == pytest.approx(float(plain), rel=1e-5)
