@@ -199,7 +199,6 @@ def _cross_process_transfer(
     )
     sending = [d for d in senders if is_local(d)]
     dst_local = local_devices_of(dst)
-    union_local = local_devices_of(mesh)  # the order make_array_from_... wants its shards
     dst_sharding = stacked(dst)
     # the receiving side's input is never read (nor donated): one zero buffer per leaf and
     # device serves every call, instead of a fresh allocation that faults its pages in
@@ -220,19 +219,17 @@ def _cross_process_transfer(
             return None, []  # this process's devices hold copies another device sends
         inputs = []
         for k, (shape, _) in enumerate(src_avals):
-            held = shards_by_device(xs[k]) if sending else {}
-            shards = [held[d] if d in held else placeholders[(k, d)] for d in union_local]
-            inputs.append(
-                jax.make_array_from_single_device_arrays((n_all, *shape[1:]), union, shards)
-            )
+            shards = {d: placeholders[(k, d)] for d in dst_local}
+            if sending:  # one lookup of the leaf's shards (the senders' are among them)
+                shards.update(shards_by_device(xs[k]))
+            inputs.append(from_local_shards((n_all, *shape[1:]), union, shards))
         outs = program(inputs)
         if not dst_local:
             return None, outs
-        received = []
-        for o, (shape, _) in zip(outs, dst_avals):
-            held = shards_by_device(o)
-            shards = [held[d] for d in dst_local]
-            received.append(jax.make_array_from_single_device_arrays(shape, dst_sharding, shards))
+        received = [
+            from_local_shards(tuple(shape), dst_sharding, shards_by_device(o))
+            for o, (shape, _) in zip(outs, dst_avals)
+        ]
         return received, outs
 
     return transfer
