@@ -94,6 +94,11 @@ class Runtime:
         spec = self.plans.tensor.get(g, {}).get(p, ())
         return NamedSharding(self.meshes[g], P(*(((pg.AXIS,) if stacked else ()) + spec)))
 
+    def placed_param(self, g: Group, name: str) -> jax.ShapeDtypeStruct:
+        """A parameter as group g holds it whole (without ZeRO-3)."""
+        shape, dtype = self.param_avals[name]
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.param_sharding(g, name))
+
     def acc_sharding(self, g: Group, name: str) -> Any:
         """How group g holds a parameter's gradient accumulator: a row per replica, split
         like the parameter, or under ZeRO-2/3 the replica's flat shard."""
@@ -135,9 +140,10 @@ class Runtime:
 
     def update_program(self, region: int, g: Group) -> UpdateProgram:
         if (region, g) not in self._updates:
+            names = self.ctx.names(self.ctx.param_sets[f"UPD{region}"])
             self._updates[(region, g)] = UpdateProgram(
                 self.optimizer,
-                self.ctx.names(self.ctx.param_sets[f"UPD{region}"]),
+                [(n, self.placed_param(g, n)) for n in names],
                 self.meshes[g],
                 self.ctx.zero_level[g],
                 self.param_tree,

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from piper_jax.mpmd_runtime import zero
 from piper_jax.mpmd_runtime.global_norm import CARRIER, carrier_gradient
-from piper_jax.mpmd_runtime.programs import AXIS, replicas, spmd, stack, unstack
+from piper_jax.mpmd_runtime.programs import AXIS, replicas, replicated, spmd, stack, unstack
 
 # (parameter names, with carrier?) -> (treedef of the model's tree cut to those leaves
 # (plus the carrier), the names in the tree's leaf order)
@@ -34,21 +34,24 @@ class UpdateProgram:
       update(params, grads, state[, total_sq]) -> (params, state)
 
     `params` and `grads` are lists in `names` order. Plain: parameters and gradients
-    whole and replicated. ZeRO level 2: parameters whole, gradients the replica's shards
-    stacked over dp, and the update returns the updated shards; level 3: parameters are
-    shards too.
+    whole (replicated, or split over tp or ep as `params` lie), and the state laid out
+    like them. ZeRO level 2: parameters whole, gradients the replica's shards stacked
+    over dp, and the update returns the updated shards; level 3: parameters are shards
+    too.
     """
 
     def __init__(
         self,
         optimizer: optax.GradientTransformation,
-        names: Sequence[str],
+        params: Sequence[tuple[str, jax.ShapeDtypeStruct]],
         mesh: Mesh,
         zero_level: int,
         param_tree: ParamTree,
         carrier: bool,
         guard: bool,
     ):
+        """`params`: the group's parameters by name, as placed (with their shardings)."""
+        names = [name for name, _ in params]
         self.optimizer, self.names, self.mesh = optimizer, list(names), mesh
         self.zero_level, self.carrier, self.guard = zero_level, carrier, guard
         self.treedef, self.tree_names = param_tree(self.names, carrier)
@@ -63,7 +66,9 @@ class UpdateProgram:
                 (P(AXIS), P(AXIS)),
             )
         else:
-            self.init = jax.jit(self._init_whole)
+            self.param_layout = [p.sharding for _, p in params]
+            self.state_layout = self._state_layout([p for _, p in params])
+            self.init = jax.jit(self._init_whole, out_shardings=self.state_layout)
             self.update = self._update_whole
 
     def _tree(self, values: Sequence[jax.Array], carrier: jax.Array) -> Any:
@@ -77,6 +82,25 @@ class UpdateProgram:
 
     def _init_whole(self, params: list) -> Any:
         return self.optimizer.init(self._tree(params, jnp.zeros((), jnp.float32)))
+
+    def _state_layout(self, params: list[jax.ShapeDtypeStruct]) -> Any:
+        """Where the plain update keeps the optimizer state: each moment like its
+        parameter, the rest replicated. Fixed here, not left to XLA, so that the state
+        lies the same before and after every update and each update program compiles
+        once: left to jit, moments came out of init uncommitted on one device and out of
+        the first update split over tp also for whole parameters."""
+        everywhere = replicated(self.mesh)
+        try:
+            return optax.tree_utils.tree_map_params(
+                self.optimizer,
+                lambda _, sharding: sharding,
+                jax.eval_shape(self._init_whole, params),
+                self._tree([p.sharding for p in params], everywhere),
+                transform_non_params=lambda _: everywhere,
+            )
+        except Exception:  # noqa: BLE001 - an init that computes on its parameters
+            # (optax.flatten) cannot run on the placeholders that find the moments
+            return everywhere
 
     def _init_shards(self, params: list) -> Any:
         return stack(self._init_whole(self._own(params)))
@@ -105,7 +129,9 @@ class UpdateProgram:
         )
 
     def _update_whole(self, params: list, grads: list, state: Any, total_sq: Any = None) -> tuple:
-        return self._step(params, grads, state, total_sq)
+        new, new_state = self._step(params, grads, state, total_sq)
+        constrain = jax.lax.with_sharding_constraint
+        return constrain(new, self.param_layout), constrain(new_state, self.state_layout)
 
     def _update_shards(self, params: list, grads: list, state: Any, total_sq: Any = None) -> tuple:
         shards = self._own(params)

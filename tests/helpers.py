@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import jax
@@ -68,6 +69,22 @@ def mlp_batches(steps: int, batch_size: int = 16, seed: int = 0) -> list[dict]:
     ]
 
 
+_COMPILED: collections.Counter = collections.Counter()  # XLA compilations by function name
+
+
+def _count_compilation(event: str, _seconds: float, **labels: str) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILED[labels.get("fun_name", "")] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compilation)
+
+
+def xla_compilations(fun_name: str | None = None) -> int:
+    """How many programs (of functions named `fun_name`) XLA has compiled in this process."""
+    return _COMPILED.total() if fun_name is None else _COMPILED[fun_name]
+
+
 def reference_run(
     loss_fn: Any, model: nnx.Module, optimizer: optax.GradientTransformation, batches: list
 ) -> tuple[list[float], Any]:
@@ -95,7 +112,11 @@ def assert_matches_reference(
 ) -> None:
     """The DESIGN.md oracle: same losses (rtol 1e-5) and params (rtol 1e-4) every step."""
     ref_losses, ref_params = reference_run(loss_fn, make_model(), optimizer, batches)
-    losses = [step(b)["loss"] for b in batches]
+    losses = [step(batches[0])["loss"]]
+    compiled = xla_compilations()
+    losses += [step(b)["loss"] for b in batches[1:]]
+    # each distinct program compiles once: in the first step, for the layouts of every step
+    assert xla_compilations() == compiled, "a step after the first compiled a program"
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     got = jax.tree.leaves(step.params())
     want = jax.tree.leaves(ref_params)
