@@ -397,6 +397,25 @@ def bind_cross_reduce(rt: Runtime, members: Sequence[Group], ins: Instruction) -
     return reduce
 
 
+def cross_reduce_result(rt: Runtime, g: Group, ins: Instruction) -> Any:
+    """The abstract value (shapes, dtypes, layouts) `bind_cross_reduce` leaves on group g:
+    the global norm replicated; gradients replicated, or under ZeRO-2/3 the replica's
+    flat shards (Note [compiling ahead])."""
+    mesh = rt.meshes[g]
+    if ins.value == GNORM:
+        return jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated(mesh))
+    width, flat = replicas(mesh), rt.ctx.zero_level[g] >= 2
+    out = []
+    for name in rt.ctx.names(rt.ctx.param_sets[ins.value]):
+        shape, dtype = rt.param_avals[name]
+        if flat:
+            shape, sharding = (width, zero.shard_len(shape, width)), stacked(mesh)
+        else:
+            sharding = replicated(mesh)
+        out.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
+    return out
+
+
 def _reduce_side(
     rt: Runtime, g: Group, params: Sequence[int], shapes: list[tuple[int, ...]]
 ) -> tuple[Callable, Callable]:

@@ -29,6 +29,7 @@ from piper_jax.ir.lift import LiftedLoss, Region
 from piper_jax.mpmd_runtime import binders, state
 from piper_jax.mpmd_runtime import buffers as bf
 from piper_jax.mpmd_runtime import programs as pg
+from piper_jax.mpmd_runtime.compile_ahead import UnitCall, abstract, compile_ahead, default_workers
 from piper_jax.mpmd_runtime.instructions import ALL_REDUCE, FREE, GNORM, RUN, SEND, Step
 from piper_jax.mpmd_runtime.plans import Plans
 from piper_jax.mpmd_runtime.replay import Event
@@ -213,7 +214,10 @@ class Executor:
         self._unit_args: dict[tuple, tuple[str, Any]] = {}  # key -> (step, argument avals)
         self._last_read: dict[Group, dict[bf.Buffer, int]] = {}
         self.step_events: list[Event] = [e for e in plans.order if self._takes_part(e)]
-        self.steps: list[Closure] = [self._bind(e) for e in self.step_events]
+        self._units: dict[int, UnitCall] = {}  # by position in `steps`
+        self.steps: list[Closure] = [self._bind(i, e) for i, e in enumerate(self.step_events)]
+        self.compile_workers = default_workers()  # Note [compiling ahead]
+        self.compiled_ahead: int | None = None  # programs compiled ahead, after the first step
         self.failures = FailureReport(plans, rt.meshes, self.step_events)
         self._witnesses: list[tuple[int, Any]] = []
         self._position = 0
@@ -231,7 +235,7 @@ class Executor:
 
     # ---- binding steps to closures --------------------------------------------------
 
-    def _bind(self, event: Event) -> Closure:
+    def _bind(self, position: int, event: Event) -> Closure:
         members, index = event
         g = members[0]
         step = self.plans.steps[g][index[0]]
@@ -241,7 +245,7 @@ class Executor:
         elif head.op in binders.EXCHANGES:
             closure = binders.EXCHANGES[head.op](self.rt, g, head)
         else:
-            closure = self._bind_unit(g, index[0], step)
+            closure, self._units[position] = self._bind_unit(g, index[0], step)
         loss_group = self.rt.loss_group
         if (
             loss_group in members
@@ -261,11 +265,12 @@ class Executor:
 
         return run
 
-    def _bind_unit(self, g: Group, position: int, step: Step) -> Closure:
+    def _bind_unit(self, g: Group, position: int, step: Step) -> tuple[Closure, UnitCall]:
         """A step of one or more pieces as one jitted program (see Note [buffers of a
         device group]): its inputs are what its pieces read and no earlier piece wrote;
         it returns what later steps read and all state it wrote. Steps that differ only
-        in their microbatches share one program (compiled once)."""
+        in their microbatches share one program (compiled once). Returns the closure and
+        how it calls its program (for Note [compiling ahead])."""
         pieces = [binders.PIECES[ins.op](self.rt, g, ins) for ins in step.instructions]
         produced: dict[bf.Buffer, None] = {}
         inputs: list[bf.Buffer] = []
@@ -301,7 +306,7 @@ class Executor:
         def run() -> Any:
             args = ([store.pop(b) for b in donated], [store[b] for b in kept])
             if key not in unit_args:  # once per program, for `program_texts`
-                unit_args[key] = (label, jax.tree.map(_aval, args))
+                unit_args[key] = (label, jax.tree.map(abstract, args))
             values = jitted(*args)
             for b in consumed_values:
                 store.pop(b, None)
@@ -312,7 +317,7 @@ class Executor:
                     store[b] = v
             return values
 
-        return run
+        return run, UnitCall(key, g, donated, kept, outputs, jitted)
 
     def program_texts(self) -> dict[str, str]:
         """The optimized HLO of every distinct program that has run, by the first plan
@@ -339,6 +344,7 @@ class Executor:
     def run(self, batch_leaves: Sequence[np.ndarray]) -> None:
         """Dispatch every step of this process for one training step."""
         self._stage_batch(batch_leaves)
+        self._compile_ahead()
         self.losses.clear()
         self.grad_norm = None
         witnesses = self._witnesses = []
@@ -356,6 +362,13 @@ class Executor:
             if not self.failures.peers_of(i):
                 raise
             raise PiperError(self.failures.message(i, f"failed: {err}")) from err
+
+    def _compile_ahead(self) -> None:
+        """Before the first step only (Note [compiling ahead])."""
+        if self.compiled_ahead is None:
+            self.compiled_ahead = compile_ahead(
+                self.rt, self.plans, self.step_events, self._units, self.compile_workers
+            )
 
     def step(self, batch_leaves: Sequence[np.ndarray], timeout_s: float) -> dict[str, float]:
         """Run one step and return its loss (and global gradient norm when the step
@@ -441,6 +454,7 @@ class Executor:
         ran (seconds from the start). For timelines and cost measurement only: it
         serialises the devices, so the step is slower than `run`."""
         self._stage_batch(batch_leaves)
+        self._compile_ahead()
         self._block_all()
         self.losses.clear()
         events = []
@@ -521,13 +535,6 @@ def _runs_in_lockstep(meshes: Any) -> bool:
         and jax.default_backend() == "cpu"
         and any(mesh.size > 1 for mesh in meshes)
     )
-
-
-def _aval(x: jax.Array) -> jax.ShapeDtypeStruct:
-    """x's shape, dtype and placement on a group (a value left on one device, such as a
-    fresh optimizer's step count, goes wherever the program runs)."""
-    sharding = x.sharding if isinstance(x.sharding, NamedSharding) else None
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
 def _signature(g: Group, step: Step, *buffers: list[bf.Buffer]) -> tuple:

@@ -1,0 +1,47 @@
+"""Compiling ahead (Note [compiling ahead] in mpmd_runtime/compile_ahead.py): before the
+first step the executor compiles every distinct program of the step from abstract values,
+and the step then calls exactly those programs: none is compiled a second time because
+the layouts guessed ahead differ from the arrays' (a transfer's result, a reduction over
+groups, ZeRO shards, tp-split parameters)."""
+
+from __future__ import annotations
+
+import optax
+import pytest
+from helpers import StageMLP, mlp_batches, mlp_loss, xla_compilations
+
+import piper_jax as piper
+from piper_jax import schedules
+
+MEGATRON_MLP = {"blocks/0": "colwise", "blocks/1": "rowwise"}
+STRATEGIES = {
+    "dp2_zero3": [piper.replicate({"PP": "*"}, [0, 1], shard_params=True)],
+    "pp2_1f1b": [
+        piper.split({"PP": "*"}, num_microbatches=4),
+        piper.place({"PP": 0}, [0]),
+        piper.place({"PP": 1}, [1]),
+        *schedules.one_f_one_b(2, 4),
+    ],
+    "pp2_dp2_zero2": [
+        piper.split({"PP": "*"}, num_microbatches=2),
+        piper.place({"PP": 0}, [0, 2]),
+        piper.replicate({"PP": 0}, [0, 2], shard_grads=True),
+        piper.place({"PP": 1}, [1, 3]),
+        piper.replicate({"PP": 1}, [1, 3], shard_grads=True),
+        *schedules.one_f_one_b(2, 2),
+    ],
+    "tp2": [piper.shard_tensor({"PP": "*"}, [0, 1], params=MEGATRON_MLP)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_the_first_step_calls_the_programs_compiled_ahead(name: str) -> None:
+    batch = mlp_batches(1)[0]
+    step = piper.compile(mlp_loss, StageMLP(2), optax.adam(1e-2), batch, STRATEGIES[name])
+    executor = step._executor
+    executor.compile_workers = 2  # this machine's default is to compile on first call
+    before = xla_compilations("jit(program)")  # every fused step's program is named so
+    step(batch)
+    distinct = len(executor._unit_programs)
+    assert executor.compiled_ahead == distinct
+    assert xla_compilations("jit(program)") - before == distinct
