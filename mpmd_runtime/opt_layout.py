@@ -93,6 +93,6 @@ def from_full(
                 f"fit this step's {list(leaf.shape)}: the optimizer keeps state across "
                 "parameters, which the single-device layout cannot carry"
             )
-        return host_to_group(value, pg.stacked(mesh) if zero_level else pg.replicated(mesh))
+        return host_to_group(value, leaf.sharding)  # where the update keeps it
 
     return jax.tree_util.tree_map_with_path(place, state)
