@@ -88,13 +88,15 @@ def _agrees(
     tree: ParamTree,
     proxy: Leaves,
     grads: list[Leaves],
+    joint: Leaves | None,
     groups: Sequence[Sequence[str]],
     sharded: bool,
     carrier: bool,
-) -> bool:
-    """Each group's (and under ZeRO each shard's) own update equals its part of the update
-    of all parameters at once, for every instance (gradient scale) of `grads`."""
-    jobs: list[Job] = [(proxy, grads, None)]
+) -> tuple[bool, Leaves]:
+    """Whether each group's (and under ZeRO each shard's) own update equals its part of
+    the update of all parameters at once, for every instance (gradient scale) of `grads`;
+    and that joint update (`joint` when given, else computed in the same program)."""
+    jobs: list[Job] = [] if joint is not None else [(proxy, grads, None)]
     cuts = []
     for group in groups:
 
@@ -113,20 +115,25 @@ def _agrees(
             )
         jobs.append((cut(proxy), piece_grads, carriers))
         cuts.append(cut)
-    joint, *results = _runs(optimizer, tree, jobs)
-    for cut, got in zip(cuts, results):
-        want, start = cut(joint), cut(proxy)
-        for n, v in got.items():
-            # compare the updates, relative to their own size: parameters of size 10
-            # would hide an update that is wrong by 15% at a small learning rate
-            got_update = np.asarray(v, np.float64) - start[n]
-            want_update = np.asarray(want[n], np.float64) - start[n]
-            scale = np.max(np.abs(want_update.reshape(len(v), -1)), axis=1, initial=0.0)
-            tol = 1e-3 * scale.reshape((-1,) + (1,) * (v.ndim - 1)) + 1e-30
-            if got_update.shape != want_update.shape or not np.all(
-                np.abs(got_update - want_update) <= tol + 1e-3 * np.abs(want_update)
-            ):
-                return False
+    results = _runs(optimizer, tree, jobs)
+    if joint is None:
+        joint, *results = results
+    agrees = all(_same_updates(got, cut(joint), cut(proxy)) for cut, got in zip(cuts, results))
+    return agrees, joint
+
+
+def _same_updates(got: Leaves, want: Leaves, start: Leaves) -> bool:
+    for n, v in got.items():
+        # compare the updates, relative to their own size: parameters of size 10 would
+        # hide an update that is wrong by 15% at a small learning rate
+        got_update = np.asarray(v, np.float64) - start[n]
+        want_update = np.asarray(want[n], np.float64) - start[n]
+        scale = np.max(np.abs(want_update.reshape(len(v), -1)), axis=1, initial=0.0)
+        tol = 1e-3 * scale.reshape((-1,) + (1,) * (v.ndim - 1)) + 1e-30
+        if got_update.shape != want_update.shape or not np.all(
+            np.abs(got_update - want_update) <= tol + 1e-3 * np.abs(want_update)
+        ):
+            return False
     return True
 
 
@@ -170,9 +177,12 @@ def plan_optimizer(
     ]
     proxy = {k: np.broadcast_to(v, (instances, *v.shape)).copy() for k, v in proxy.items()}
     try:
-        if _agrees(optimizer, tree, proxy, grads, groups, sharded, False):
+        agrees, joint = _agrees(optimizer, tree, proxy, grads, None, groups, sharded, False)
+        if agrees:
             return False
-        if _agrees(optimizer, tree, proxy, grads, groups, sharded, True):
+        # the second try (every optimizer that clips by the global norm takes it) reuses
+        # the joint update of the first
+        if _agrees(optimizer, tree, proxy, grads, joint, groups, sharded, True)[0]:
             return True
     except Exception as err:
         raise PiperError(
