@@ -21,6 +21,9 @@ _FAST_COMPILE = (
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
+# start the backend now: a test that runs the main job in-process (`train.main`) would
+# otherwise set its own device count for every later test of the worker
+jax.devices()
 
 # One XLA compilation cache for the whole run, fresh each run: the tests compile the same
 # tiny programs many times over (the references, the same strategies on the same models),
