@@ -212,18 +212,24 @@ def _cross_process_transfer(
     # process holding part of it first makes each replica whole on each of its devices
     whole = jax.jit(lambda xs: xs, out_shardings=stacked(src)) if inner_axis(src) == EP else None
 
+    def global_inputs(xs: list[jax.Array] | None) -> list[jax.Array]:
+        inputs = []
+        for k, (shape, _) in enumerate(src_avals):
+            shards = {d: placeholders[(k, d)] for d in dst_local}
+            if xs is not None:  # one lookup of the leaf's shards (the senders' are among them)
+                shards.update(shards_by_device(xs[k]))
+            inputs.append(from_local_shards((n_all, *shape[1:]), union, shards))
+        return inputs
+
+    # a process that only receives passes the same placeholders every time: built once
+    receiving_inputs = global_inputs(None) if dst_local and not sending else None
+
     def transfer(xs: list[jax.Array] | None) -> tuple[list[jax.Array] | None, list]:
         if whole is not None and xs is not None:
             xs = whole(xs)
         if not sending and not dst_local:
             return None, []  # this process's devices hold copies another device sends
-        inputs = []
-        for k, (shape, _) in enumerate(src_avals):
-            shards = {d: placeholders[(k, d)] for d in dst_local}
-            if sending:  # one lookup of the leaf's shards (the senders' are among them)
-                shards.update(shards_by_device(xs[k]))
-            inputs.append(from_local_shards((n_all, *shape[1:]), union, shards))
-        outs = program(inputs)
+        outs = program(receiving_inputs or global_inputs(xs))
         if not dst_local:
             return None, outs
         received = [
