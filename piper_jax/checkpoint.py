@@ -1,4 +1,5 @@
-"""`TrainStep.save` / `restore`: parameters and optimizer state as one orbax checkpoint.
+"""`TrainStep.save` / `restore`: parameters, optimizer state and the count of steps run
+(the random counter of Note [random keys of a step]) as one orbax checkpoint.
 
 Both are stored in the layout single-device training would have (full parameters;
 `optimizer.init` of the whole model, Note [portable optimizer state] in
@@ -73,7 +74,12 @@ def save(executor: Executor, param_names: list[str], path: str | os.PathLike) ->
     found = executor.gather_params()
     params = {name: found[name] for name in param_names}
     opt_state = dict(sorted(executor.optimizer_state().items()))
-    meta = {"format": FORMAT, "params": _describe(params), "opt_state": _describe(opt_state)}
+    meta = {
+        "format": FORMAT,
+        "params": _describe(params),
+        "opt_state": _describe(opt_state),
+        "steps": executor.steps_done,
+    }
     arrays = {"params": list(params.values()), "opt_state": list(opt_state.values())}
     threads = set(threading.enumerate())
     try:
@@ -133,6 +139,9 @@ def restore(executor: Executor, param_names: list[str], path: str | os.PathLike)
         _check_data(kind, meta[item], arrays.get(item), path)
         loaded[item] = {record[0]: value for record, value in zip(meta[item], arrays[item])}
     executor.load_state(loaded["params"], loaded["opt_state"])
+    # the random counter goes on from where it stopped: a resumed run draws the dropout
+    # masks the uninterrupted run would (checkpoints from before it was saved count from 0)
+    executor.steps_done = int(meta.get("steps", 0))
 
 
 def _incomplete(path: str, what: str) -> PiperError:

@@ -202,7 +202,8 @@ class TrainStep:
         return nnx.merge(self._graphdef, self.params(), self._random, self._rest)
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write parameters and optimizer state as an orbax checkpoint in the new directory
+        """Write parameters, optimizer state and the number of steps run (which random
+        keys, e.g. dropout's, derive from) as an orbax checkpoint in the new directory
         `path`, in the single-device layout, so any directive list can restore it."""
         checkpoint.save(self._executor, self.lifted.param_names, path)
 
