@@ -10,6 +10,7 @@ process skips the steps of groups it holds no device of; a group may span proces
 
 from __future__ import annotations
 
+import collections
 import functools
 import re
 import time
@@ -210,12 +211,19 @@ class Executor:
         self.losses: list[jax.Array] = []
         self.grad_norm: jax.Array | None = None
         self._lockstep = _runs_in_lockstep(rt.meshes.values())
+        self._in_flight: dict[Group, collections.deque] = collections.defaultdict(collections.deque)
         self._unit_programs: dict[tuple, Callable] = {}
         self._unit_args: dict[tuple, tuple[str, Any]] = {}  # key -> (step, argument avals)
         self._last_read: dict[Group, dict[bf.Buffer, int]] = {}
         self.step_events: list[Event] = [e for e in plans.order if self._takes_part(e)]
         self._units: dict[int, UnitCall] = {}  # by position in `steps`
         self.steps: list[Closure] = [self._bind(i, e) for i, e in enumerate(self.step_events)]
+        # the fused steps of several-device groups on XLA:CPU, by position: their group
+        self._bounded = {
+            i: unit.group
+            for i, unit in self._units.items()
+            if jax.default_backend() == "cpu" and rt.meshes[unit.group].size > 1
+        }
         self.compile_workers = default_workers()  # Note [compiling ahead]
         self.compiled_ahead: int | None = None  # programs compiled ahead, after the first step
         self.failures = FailureReport(plans, rt.meshes, self.step_events)
@@ -348,7 +356,7 @@ class Executor:
         self.losses.clear()
         self.grad_norm = None
         witnesses = self._witnesses = []
-        lockstep = self._lockstep
+        lockstep, bounded, in_flight = self._lockstep, self._bounded, self._in_flight
         i = 0
         try:
             for i, closure in enumerate(self.steps):
@@ -358,6 +366,11 @@ class Executor:
                     witnesses.append((i, out))
                     if lockstep:
                         jax.block_until_ready(out)
+                    elif i in bounded:  # Note [in-process collectives ahead on XLA:CPU]
+                        queue = in_flight[bounded[i]]
+                        queue.append(out)
+                        if len(queue) > MAX_IN_FLIGHT:
+                            _wait_for_oldest(queue)
         except Exception as err:
             if not self.failures.peers_of(i):
                 raise
@@ -517,6 +530,28 @@ class Executor:
 
 
 _MICROBATCH = re.compile(r"\.(\d+)")
+
+
+# Note [in-process collectives ahead on XLA:CPU]
+# XLA:CPU runs the devices' parts of a program with collectives on a pool of threads;
+# with more than about 32 such programs of one device group dispatched and runnable at
+# once, the parts of different programs took every thread while each waited for a
+# partner part, and XLA aborted the process after 40 s (seen with ZeRO-3 over 2 devices
+# and 64 microbatches, whose gathers all read only parameters and the batch). So the
+# executor keeps at most MAX_IN_FLIGHT programs of each such group unfinished, waiting
+# for the oldest before dispatching more: far enough ahead to keep the devices busy.
+MAX_IN_FLIGHT = 16
+
+
+def _wait_for_oldest(queue: collections.deque) -> None:
+    """Block until the oldest program of `queue` (the outputs of programs, oldest first)
+    finished. Where a later program took all its outputs over (donated them), that later
+    program's end is waited for instead: it read them, so it ends after."""
+    while queue:
+        live = [x for x in jax.tree.leaves(queue.popleft()) if not x.is_deleted()]
+        if live:
+            jax.block_until_ready(live)
+            return
 
 
 def _runs_in_lockstep(meshes: Any) -> bool:
