@@ -141,4 +141,3 @@ def test_bucket_size_cuts_zero_reduce_scatters(stage: str) -> None:
     step = check_mlp_strategy(directives, OPT)
     text = step.explain()
     assert "REDUCE_SCATTER grad[B1.0]/0 d0,1" in text and "REDUCE_SCATTER grad[B1.0]/1" in text
-
