@@ -14,6 +14,7 @@ import collections
 import functools
 import re
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -227,7 +228,7 @@ class Executor:
         self.compile_workers = default_workers()  # Note [compiling ahead]
         self.compiled_ahead: int | None = None  # programs compiled ahead, after the first step
         self.failures = FailureReport(plans, rt.meshes, self.step_events)
-        self._witnesses: list[tuple[int, Any]] = []
+        self._witnesses: list[tuple[int, Witness]] = []
         self._position = 0
         self._mean_loss = jax.jit(
             lambda xs: jnp.mean(jnp.stack(xs)),
@@ -363,12 +364,13 @@ class Executor:
                 self._position = i
                 out = closure()
                 if out is not None:
-                    witnesses.append((i, out))
+                    witness = _witness(out, weak=i in self._units)
+                    witnesses.append((i, witness))
                     if lockstep:
                         jax.block_until_ready(out)
                     elif i in bounded:  # Note [in-process collectives ahead on XLA:CPU]
                         queue = in_flight[bounded[i]]
-                        queue.append(out)
+                        queue.append(witness)
                         if len(queue) > MAX_IN_FLIGHT:
                             _wait_for_oldest(queue)
         except Exception as err:
@@ -394,16 +396,19 @@ class Executor:
             return self.metrics()
 
     def _stall_report(self, timeout_s: float) -> str:
-        return self.failures.stall_message(self._position, self._witnesses, timeout_s)
+        return self.failures.stall_message(self._position, self._witnessed(), timeout_s)
+
+    def _witnessed(self) -> list[tuple[int, list[jax.Array]]]:
+        """Every dispatched step's outputs that are still alive, by step position."""
+        return [(i, _alive(w)) for i, w in self._witnesses]
 
     def wait(self) -> None:
         """Block until every instruction this process dispatched has finished. (A stalled
         peer is caught by the step watchdog, since the host may block in a collective.)"""
-        leaves = [x for _, out in self._witnesses for x in jax.tree.leaves(out)]
         try:
-            jax.block_until_ready([x for x in leaves if not x.is_deleted()])
+            jax.block_until_ready([x for _, alive in self._witnessed() for x in alive])
         except Exception as err:  # a dispatched transfer or collective failed on the device
-            index = self.failures.first_failure(self._witnesses)
+            index = self.failures.first_failure(self._witnessed())
             if index is None or not self.failures.peers_of(index):
                 raise
             raise PiperError(self.failures.message(index, f"failed: {err}")) from err
@@ -543,14 +548,32 @@ _MICROBATCH = re.compile(r"\.(\d+)")
 MAX_IN_FLIGHT = 16
 
 
+# What tells when a dispatched step finished: its outputs. A fused step's are only
+# referenced weakly: holding them kept every activation and residual of a step alive after
+# its FREE, until the next step (1F1B held all its microbatches' residuals, as GPipe
+# does); an output that was freed or donated was read by a later step, whose outputs
+# tell when both finished. A transfer's or a reduction's are held: nothing else reads
+# some of them, and a failed one must be found and named (mpmd_runtime/watchdog.py).
+Witness = list[Any]  # jax.Array or weakref.ref to one
+
+
+def _witness(out: Any, weak: bool) -> Witness:
+    leaves = jax.tree.leaves(out)
+    return [weakref.ref(x) for x in leaves] if weak else leaves
+
+
+def _alive(witness: Witness) -> list[jax.Array]:
+    arrays = (x() if isinstance(x, weakref.ref) else x for x in witness)
+    return [x for x in arrays if x is not None and not x.is_deleted()]
+
+
 def _wait_for_oldest(queue: collections.deque) -> None:
-    """Block until the oldest program of `queue` (the outputs of programs, oldest first)
-    finished. Where a later program took all its outputs over (donated them), that later
-    program's end is waited for instead: it read them, so it ends after."""
+    """Block until the oldest step of `queue` (their witnesses, oldest first) finished;
+    where none of its outputs is alive, until the next one that has some does."""
     while queue:
-        live = [x for x in jax.tree.leaves(queue.popleft()) if not x.is_deleted()]
-        if live:
-            jax.block_until_ready(live)
+        alive = _alive(queue.popleft())
+        if alive:
+            jax.block_until_ready(alive)
             return
 
 
