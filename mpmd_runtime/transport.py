@@ -188,9 +188,17 @@ def _cross_process_transfer(
             out = jnp.where(jnp.asarray(takes)[me], placed, out)
         return out[None]
 
+    def moves(xs: list[jax.Array]) -> tuple[list[jax.Array], jax.Array]:
+        outs = [move(x, d, p) for x, (d, _), p in zip(xs, dst_avals, plans)]
+        # a one-element copy of the first output: ready when the transfer is done, and
+        # what the executor holds to wait for it (not the payload, which FREE must free)
+        first = outs[0].reshape(-1)
+        done = jnp.concatenate([first[:1], jnp.zeros((1,), first.dtype)])[:1]
+        return outs, done
+
     program = jax.jit(
         jax.shard_map(
-            lambda xs: [move(x, d, p) for x, (d, _), p in zip(xs, dst_avals, plans)],
+            moves,
             mesh=mesh,
             in_specs=P(_UNION),
             out_specs=P(_UNION),
@@ -229,14 +237,14 @@ def _cross_process_transfer(
             xs = whole(xs)
         if not sending and not dst_local:
             return None, []  # this process's devices hold copies another device sends
-        outs = program(receiving_inputs or global_inputs(xs))
+        outs, done = program(receiving_inputs or global_inputs(xs))
         if not dst_local:
-            return None, outs
+            return None, [done]
         received = [
             from_local_shards(tuple(shape), dst_sharding, shards_by_device(o))
             for o, (shape, _) in zip(outs, dst_avals)
         ]
-        return received, outs
+        return received, [done]
 
     return transfer
 
