@@ -21,10 +21,11 @@ call looks in). It is only a guess ahead of time: a program whose inputs end up 
 otherwise, or that fails to compile here, is compiled when it is called, as before,
 and raises its errors there.
 
-On this 2-core machine it gains nothing: XLA:CPU already spreads one compilation over
-both cores (2 s of CPU per 1 s of wall), so compiling two programs at once only
-contends. So it runs only where the process may use at least `MIN_CORES` cores (a GPU
-host's, where XLA compiles each program mostly on one thread).
+On a 2-core machine it gains nothing: XLA:CPU already spreads one compilation over both
+cores (2 s of CPU per 1 s of wall), so compiling two programs at once only contends (a
+GPT's first step took 3.6 s against 3.2 s, means of 4 runs). So it runs only where the
+process may use at least `MIN_CORES` cores (a GPU host's, where XLA compiles each program
+mostly on one thread).
 """
 
 from __future__ import annotations
@@ -84,10 +85,8 @@ def default_workers() -> int:
 def abstract(x: Any) -> Any:
     """The abstract value of an array as a program's argument: an array left on one
     device uncommitted (a fresh optimizer's step count) goes wherever the program runs."""
-    sharding = x.sharding if getattr(x, "committed", True) else None
-    return jax.ShapeDtypeStruct(
-        x.shape, x.dtype, sharding=sharding, weak_type=getattr(x, "weak_type", False)
-    )
+    sharding = x.sharding if x.committed else None
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
 
 
 def compile_ahead(

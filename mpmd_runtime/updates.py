@@ -51,8 +51,7 @@ class UpdateProgram:
         guard: bool,
     ):
         """`params`: the group's parameters by name, as placed (with their shardings)."""
-        names = [name for name, _ in params]
-        self.optimizer, self.names, self.mesh = optimizer, list(names), mesh
+        self.optimizer, self.names, self.mesh = optimizer, [n for n, _ in params], mesh
         self.zero_level, self.carrier, self.guard = zero_level, carrier, guard
         self.treedef, self.tree_names = param_tree(self.names, carrier)
         if zero_level:
