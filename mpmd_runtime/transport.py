@@ -237,7 +237,8 @@ def _cross_process_transfer(
             xs = whole(xs)
         if not sending and not dst_local:
             return None, []  # this process's devices hold copies another device sends
-        outs, done = program(receiving_inputs or global_inputs(xs))
+        inputs = global_inputs(xs) if receiving_inputs is None else receiving_inputs
+        outs, done = program(inputs)
         if not dst_local:
             return None, [done]
         received = [
