@@ -94,13 +94,25 @@ def check_moe_pp2_ep2() -> None:
     assert_matches_reference(step, loss_fn, make, opt, batches)
 
 
+def check_transfer_witnesses(step: piper.TrainStep) -> None:
+    """What the executor keeps of a transfer to wait for it is a one-element marker per
+    device, not the payload (which FREE must be able to free)."""
+    ex = step._executor
+    for i, witness in ex._witnesses:
+        members, index = ex.step_events[i]
+        if ex.plans.steps[members[0]][index[0]].head.op == "SEND":
+            sizes = [x.size for x in witness]
+            assert all(n <= jax.device_count() for n in sizes), (i, sizes)
+
+
 def main() -> None:
     if sys.argv[1] == "moe_pp2_ep2_per_process":
         check_moe_pp2_ep2()
     else:
         num_stages, directives = strategy(sys.argv[1])
         experts = 4 if "_ep" in sys.argv[1] else 0  # the toy expert layers of StageMLP
-        check_mlp_strategy(directives, optax.adam(1e-2), num_stages, experts=experts)
+        step = check_mlp_strategy(directives, optax.adam(1e-2), num_stages, experts=experts)
+        check_transfer_witnesses(step)
     print(f"ORACLE OK process {jax.process_index()} of {jax.process_count()}", flush=True)
 
 
