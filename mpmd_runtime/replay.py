@@ -14,6 +14,20 @@ free, and:
     starts once every member group has reached it, and occupies all of them;
   * a SEND never waits for its receiver.
 If no group can start its next step while some remain, the plans deadlock.
+
+Note [issue order]
+Every process issues its steps in one global order, and each cross-process transfer at
+its SEND's place in it, so that all processes call their transfers in the same relative
+order. The replay resolves steps group by group, each group running on until it blocks;
+that order is valid but runs far ahead of time: in a 2-stage 1F1B it puts stage 1's SEND
+of its second backward before stage 0's first backward. Stage 0's process then blocks in
+that transfer (XLA:CPU runs a transfer whose inputs are ready, a receiver's placeholders,
+on the calling thread, until the peer joins) with its own backward not yet dispatched,
+and the two stages take turns instead of overlapping. So the order is the steps sorted
+by their replayed start time (ties in resolution order): still valid, since a RECV
+starts after its SEND ends, a collective after each member's previous step, and a
+group's steps in sequence, and each process now reaches a transfer about when its data
+is due.
 """
 
 from __future__ import annotations
@@ -33,12 +47,12 @@ Event = tuple[tuple[Group, ...], tuple[int, ...]]
 
 @dataclasses.dataclass(frozen=True)
 class Replay:
-    """Start and end of every step, and the order in which the replay resolved them (a
-    valid global issue order: every step comes after everything it waits for)."""
+    """Start and end of every step, and a valid global issue order: every step after
+    everything it waits for, in order of start time (Note [issue order])."""
 
     start: dict[Group, list[float]]
     end: dict[Group, list[float]]
-    order: list[Event]
+    order: list[Event]  # by start time (Note [issue order])
 
 
 def members_of(step: Step, group: Group, groups: Sequence[Group]) -> list[Group]:
@@ -109,7 +123,13 @@ def replay(
                 progressed = True
         if remaining and not progressed:
             raise PlanError(_deadlock_report(steps, pc, start, sent, received))
-    return Replay(start, end, order)
+    by_start = sorted(range(len(order)), key=lambda k: (_start_of(order[k], start), k))
+    return Replay(start, end, [order[k] for k in by_start])
+
+
+def _start_of(event: Event, start: Mapping[Group, list[float]]) -> float:
+    members, index = event
+    return start[members[0]][index[0]]
 
 
 def unit_cost(group: Group, step: Step) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import optax
 import pytest
 from helpers import StageMLP, deadlocked_steps, mlp_batches, mlp_loss
@@ -9,6 +11,7 @@ from piper_jax.mpmd_runtime import dry_run, parse, parse_step
 from piper_jax.mpmd_runtime.instructions import Instruction
 
 import piper_jax as piper
+from piper_jax import schedules
 
 INSTRUCTIONS = [
     "F1.3",
@@ -80,3 +83,60 @@ def test_dry_run_reports_deadlock_with_marked_grid() -> None:
         dry_run(deadlocked_steps(step))
     # the compiled plans themselves pass
     dry_run(step.plans.steps)
+
+
+def lowered_pipeline(num_stages: int, m: int, device_of, orders: list) -> piper.Lowered:
+    directives = [piper.split({"PP": "*"}, num_microbatches=m)]
+    directives += [piper.place({"PP": s}, [device_of(s)]) for s in range(num_stages)]
+    return piper.lower(
+        mlp_loss,
+        StageMLP(num_stages),
+        optax.sgd(0.1),
+        mlp_batches(1, batch_size=m)[0],
+        directives + orders,
+        num_devices=4,
+    )
+
+
+def issued(plans) -> list[str]:
+    """Every step once, as text, in the global order in which processes issue them."""
+    return [str(plans.steps[members[0]][index[0]]) for members, index in plans.order]
+
+
+def test_a_stage_is_issued_its_backward_before_the_next_gradient_arrives() -> None:
+    """A process blocks in a transfer it receives until its peer sends (XLA:CPU runs it
+    on the calling thread): stage 0 must be issued B0.k before the transfer of stage 1's
+    next gradient, B1.(k+1), or the two stages take turns (Note [issue order])."""
+    m = 6
+    order = issued(lowered_pipeline(2, m, lambda s: s, schedules.one_f_one_b(2, m)).plans)
+    for k in range(m - 1):
+        assert order.index(f"B0.{k}") < order.index(f"SEND B1.{k + 1} -> d0")
+
+
+@pytest.mark.parametrize(
+    "num_stages,device_of,orders",
+    [
+        (4, lambda s: s, schedules.one_f_one_b(4, 8)),
+        (4, lambda s: s, schedules.zero_bubble_h1(4, 8)),
+        (4, lambda s: s % 2, schedules.interleaved_1f1b(4, 8, 2)),
+        (4, lambda s: min(s, 3 - s), schedules.dualpipev(2, 8)),
+    ],
+    ids=["1f1b", "zbh1", "interleaved", "dualpipev"],
+)
+def test_issue_order_is_valid(num_stages: int, device_of, orders: list) -> None:
+    """Each group's steps in plan order, every step once, each RECV after its SEND."""
+    plans = lowered_pipeline(num_stages, 8, device_of, orders).plans
+    seen = {g: 0 for g in plans.steps}
+    sent: collections.Counter = collections.Counter()
+    for members, index in plans.order:
+        for g, i in zip(members, index):
+            assert i == seen[g]
+            seen[g] += 1
+        head = plans.steps[members[0]][index[0]].head
+        if head.op == "SEND":
+            sent[(head.value, members[0], tuple(head.peer))] += 1
+        if head.op == "RECV":
+            key = (head.value, tuple(head.peer), members[0])
+            assert sent[key] > 0, f"{head} issued before its SEND"
+            sent[key] -= 1
+    assert seen == {g: len(s) for g, s in plans.steps.items()}
