@@ -47,12 +47,12 @@ Event = tuple[tuple[Group, ...], tuple[int, ...]]
 
 @dataclasses.dataclass(frozen=True)
 class Replay:
-    """Start and end of every step, and a valid global issue order: every step after
-    everything it waits for, in order of start time (Note [issue order])."""
+    """Start and end of every step, and the order in which the replay resolved them (a
+    valid global issue order: every step comes after everything it waits for)."""
 
     start: dict[Group, list[float]]
     end: dict[Group, list[float]]
-    order: list[Event]  # by start time (Note [issue order])
+    order: list[Event]
 
 
 def members_of(step: Step, group: Group, groups: Sequence[Group]) -> list[Group]:
@@ -123,13 +123,7 @@ def replay(
                 progressed = True
         if remaining and not progressed:
             raise PlanError(_deadlock_report(steps, pc, start, sent, received))
-    by_start = sorted(range(len(order)), key=lambda k: (_start_of(order[k], start), k))
-    return Replay(start, end, [order[k] for k in by_start])
-
-
-def _start_of(event: Event, start: Mapping[Group, list[float]]) -> float:
-    members, index = event
-    return start[members[0]][index[0]]
+    return Replay(start, end, order)
 
 
 def unit_cost(group: Group, step: Step) -> float:
@@ -137,10 +131,13 @@ def unit_cost(group: Group, step: Step) -> float:
 
 
 def dry_run(steps: Mapping[Group, Sequence[Step]]) -> tuple[list[Event], dict[Group, list[int]]]:
-    """Replay with one time unit per step: the global issue order and the grid rounds."""
+    """Replay with one time unit per step: the global issue order (its steps by start
+    time, Note [issue order]) and the grid rounds."""
     result = replay(steps, unit_cost)
     rounds = {g: [int(t) for t in result.start[g]] for g in steps}
-    return result.order, rounds
+    starts = [result.start[members[0]][index[0]] for members, index in result.order]
+    by_start = sorted(range(len(starts)), key=starts.__getitem__)  # stable: ties as resolved
+    return [result.order[k] for k in by_start], rounds
 
 
 def _deadlock_report(
