@@ -2,8 +2,11 @@
 
 schedule_nodes        lockstep list scheduling of DAG nodes per device group; every
                       edge, data or temporal, is honoured; when several nodes are ready
-                      the order is SEND > collective > compute > RECV, then DAG uid;
-                      an overlap unit (one order group) is picked whole
+                      the order is SEND > collective > compute > RECV, then the lower
+                      microbatch (one group without orders finishes a microbatch's
+                      backward before the next forward: one microbatch's activations
+                      alive), then DAG uid; an overlap unit (one order group) is picked
+                      whole
 attach_collectives    each ZeRO collective moves next to the pass it serves: a
                       parameter gather just before it, a gradient reduce-scatter just
                       after it, the gather of updated shards just after the update; each
@@ -100,8 +103,9 @@ def schedule_nodes(dag: TrainingDAG, groups: list[Group]) -> dict[Group, list[in
     order: dict[Group, list[int]] = {g: [] for g in groups}
     remaining = sum(len(m) for m in members.values())
 
-    def priority(u: int) -> tuple[int, int]:
-        return (_PRIORITY.get(dag.nodes[u].kind, 2), u)
+    def priority(u: int) -> tuple[int, int, int]:
+        n = dag.nodes[u]
+        return (_PRIORITY.get(n.kind, 2), -1 if n.microbatch is None else n.microbatch, u)
 
     units: dict[int, list[int]] = defaultdict(list)
     for u, n in sorted(dag.nodes.items()):

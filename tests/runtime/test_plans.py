@@ -9,6 +9,7 @@ import pytest
 from helpers import StageMLP, deadlocked_steps, mlp_batches, mlp_loss
 from piper_jax.mpmd_runtime import dry_run, parse, parse_step
 from piper_jax.mpmd_runtime.instructions import Instruction
+from piper_jax.mpmd_runtime.simulator import simulate
 
 import piper_jax as piper
 from piper_jax import schedules
@@ -75,6 +76,22 @@ def test_1f1b_plans() -> None:
         assert plan1.index(f"FREE F0.{i}") > plan1.index(f"F1.{i}")
         assert plan1.index(f"RECV F0.{i} <- d0") < plan1.index(f"F1.{i}")
     assert "ALL_REDUCE" in step.explain() and "UPD0" in step.explain()
+
+
+@pytest.mark.parametrize("shard_params", [False, True])
+def test_one_group_without_orders_finishes_a_microbatch_before_the_next(
+    shard_params: bool,
+) -> None:
+    """Gradient accumulation on one group: each microbatch's passes in turn, so one
+    microbatch's residuals are alive at a time, not all m (a breadth-first order)."""
+    directives = [
+        piper.split({"PP": "*"}, num_microbatches=4),
+        piper.replicate({"PP": "*"}, [0, 1], shard_params=shard_params),
+    ]
+    plans = piper.lower(mlp_loss, StageMLP(2), optax.sgd(0.1), mlp_batches(1)[0], directives).plans
+    passes = [i.label for i in plans.plans[(0, 1)] if i.op == "RUN"]
+    assert [str(p) for p in passes] == [f"{p}.{k}" for k in range(4) for p in "F0 F1 B1 B0".split()]
+    assert max(simulate(plans, {"F": 1, "B": 2}).peak_activations.values()) == 2
 
 
 def test_dry_run_reports_deadlock_with_marked_grid() -> None:
