@@ -4,11 +4,14 @@
 semantics]) with a cost per instruction instead of running programs. It answers "what
 would this strategy cost" without devices, and its timeline draws the schedule (see
 `timeline.write_timeline`). A fused step costs the sum of its instructions, which run
-back to back inside it; FREE costs nothing.
+back to back inside it, unless the table costs it whole (below); FREE costs nothing.
 
 A cost table names a pass or op for every region ("F", "B", "UPD", ...) or for one
 region ("F0", "B3", "BI3", "UPD1"); a region's own cost takes precedence, so regions of
-different sizes (an embedding stage, a head stage) can cost differently.
+different sizes (an embedding stage, a head stage) can cost differently. A fused step
+may be costed whole by the kinds of its pieces joined with "+" ("ALL_GATHER+F", "F+B"
+for an overlap unit): `TrainStep.measure_costs` times such a step only whole, and one
+program of several pieces need not cost the sum of their own costs.
 """
 
 from __future__ import annotations
@@ -91,6 +94,11 @@ class Simulation:
         return "\n".join(lines)
 
 
+def _fused(key: str) -> bool:
+    parts = key.split("+")
+    return len(parts) > 1 and all(p in PASS_KEYS + OP_KEYS for p in parts)
+
+
 def resolve_costs(costs: Mapping[str, float]) -> dict[str, float]:
     """The cost of each pass and op; B, BI and BW filled in from one another.
 
@@ -100,11 +108,11 @@ def resolve_costs(costs: Mapping[str, float]) -> dict[str, float]:
     same way among themselves.
     """
     for key, value in costs.items():
-        if key not in PASS_KEYS + OP_KEYS and not _REGION_KEY.match(key):
+        if key not in PASS_KEYS + OP_KEYS and not _REGION_KEY.match(key) and not _fused(key):
             raise CostError(
                 f"unknown cost key {key!r}; use the passes {', '.join(PASS_KEYS)} "
-                f"or the ops {', '.join(OP_KEYS)}, or a pass or UPD with a region index "
-                "(F0, B3, UPD1)"
+                f"or the ops {', '.join(OP_KEYS)}, a pass or UPD with a region index "
+                "(F0, B3, UPD1), or a fused step's kinds joined by '+' (F+B)"
             )
         if (
             isinstance(value, bool)
@@ -141,6 +149,30 @@ def _fill_backward(out: dict[str, float], given: Mapping[str, float], suffix: st
 
 def _kind(ins: Instruction) -> str:
     return ins.pass_ if ins.op == RUN else ins.op
+
+
+def fused_key(step: Step) -> str | None:
+    """The cost key of a step of several pieces ("F+B"); None for a single piece."""
+    kinds = [_kind(ins) for ins in step.instructions if ins.op != FREE]
+    return "+".join(kinds) if len(kinds) > 1 else None
+
+
+def _piece_costs(costs: dict[str, float], step: Step) -> list[tuple[Instruction, float]]:
+    """Each piece of `step` with its cost. A fused step costed whole has its cost shared
+    out in proportion to its pieces' own costs where the table has them all, else
+    evenly."""
+    pieces = [ins for ins in step.instructions if ins.op != FREE]
+    key = fused_key(step)
+    if key is None or key not in costs:
+        return [(ins, _cost(costs, ins)) for ins in pieces]
+    try:
+        own = [_cost(costs, ins) for ins in pieces]
+    except CostError:
+        own = []
+    total = sum(own)
+    if total <= 0:
+        own, total = [1.0] * len(pieces), float(len(pieces))
+    return [(ins, costs[key] * c / total) for ins, c in zip(pieces, own)]
 
 
 def _cost(costs: dict[str, float], ins: Instruction) -> float:
@@ -183,16 +215,14 @@ def simulate(
         raise CostError(f"transfer_latency must be a finite number >= 0, got {transfer_latency}")
 
     def step_cost(group: Group, step: Step) -> float:
-        return sum(_cost(table, ins) for ins in step.instructions if ins.op != FREE)
+        return sum(c for _, c in _piece_costs(table, step))
 
     result = replay(plans.steps, step_cost, transfer_latency)
     timeline = []
     for g, steps in plans.steps.items():
         for step, t0 in zip(steps, result.start[g]):
-            for ins in step.instructions:
-                if ins.op == FREE:
-                    continue
-                t1 = t0 + _cost(table, ins)
+            for ins, cost in _piece_costs(table, step):
+                t1 = t0 + cost
                 timeline.append(TimelineEvent(g, str(ins), _kind(ins), ins.microbatch, t0, t1))
                 t0 = t1
     timeline.sort(key=lambda e: (e.start, e.group, e.end))

@@ -19,7 +19,8 @@ from piper_jax.batching import check_batch_size
 from piper_jax.ir.errors import BatchError, DirectiveError, PiperError
 from piper_jax.lowering import Lowered, lower
 from piper_jax.mpmd_runtime import Executor
-from piper_jax.mpmd_runtime.simulator import Simulation
+from piper_jax.mpmd_runtime.instructions import parse_step
+from piper_jax.mpmd_runtime.simulator import Simulation, fused_key
 from piper_jax.mpmd_runtime.timeline import write_timeline
 from piper_jax.mpmd_runtime.transport import check_same_plans
 from piper_jax.validation import check_batch_leaves, check_run_args
@@ -224,12 +225,15 @@ class TrainStep:
 
     def measure_costs(self, batch: Any, repeats: int = 3) -> dict[str, float]:
         """Seconds per pass (and per op) for `simulate`, from `repeats` instrumented steps
-        on `batch` (each trains a step): per kind, the median over all its steps.
+        on `batch` (each trains a step): per kind, the median over all its steps; a step
+        of several pieces under their kinds joined by "+" ("ALL_GATHER+F"), as it is only
+        timed whole.
         Call it after one ordinary step, so compilation is not measured."""
         times: dict[str, list[float]] = {}
         for _ in range(repeats):
             for e in self._executor.run_recorded(self._batch_leaves(batch)):
-                times.setdefault(e.kind, []).append(e.end - e.start)
+                kind = fused_key(parse_step(e.label)) or e.kind  # a fused step only whole
+                times.setdefault(kind, []).append(e.end - e.start)
         return {k: statistics.median(v) for k, v in times.items() if k != "RECV"}
 
     def timeline(

@@ -160,3 +160,37 @@ def test_measured_costs_and_timeline(tmp_path) -> None:
     step.timeline(path, batch=batch)
     events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
     assert {e["name"] for e in events} >= {"F0.0", "B1.1", "UPD0"}
+
+
+ZERO3 = [
+    piper.split({"PP": "*"}, num_microbatches=2),
+    piper.replicate({"PP": "*"}, [0, 1], shard_params=True),
+]
+
+
+def test_fused_steps_are_measured_and_costed_whole() -> None:
+    """Under ZeRO-3 every pass runs in one program with its gathers: measure_costs times
+    those steps whole, under their joined kinds, and simulate prices the plans with them."""
+    batch = mlp_batches(1)[0]
+    step = piper.compile(mlp_loss, StageMLP(2), optax.sgd(0.1), batch, ZERO3)
+    step(batch)
+    costs = step.measure_costs(batch)
+    assert {"ALL_GATHER+F", "ALL_GATHER+B+REDUCE_SCATTER"} <= set(costs), costs
+    assert not {"F", "B"} & set(costs)
+    assert step.simulate(costs).step_time > 0
+
+
+def test_a_fused_cost_is_shared_out_over_its_pieces() -> None:
+    plans = piper.lower(mlp_loss, StageMLP(2), optax.sgd(0.1), mlp_batches(1)[0], ZERO3).plans
+    base = simulate(plans, FB)
+    fused = simulate(plans, {**FB, "ALL_GATHER+F": 0.5})
+    assert fused.step_time == base.step_time - 4 * 0.5  # 4 forwards, each half price
+    gather, forward = [e for e in fused.timeline if e.microbatch == 0 and e.group == (0, 1)][:2]
+    assert (gather.kind, gather.end - gather.start) == ("ALL_GATHER", 0.0)
+    assert (forward.kind, forward.end - forward.start) == ("F", 0.5)
+    whole = {"ALL_GATHER+F": 1, "ALL_GATHER+B+REDUCE_SCATTER": 2}
+    even = simulate(plans, whole)  # no own costs of the pieces: shared out evenly
+    assert even.step_time == base.step_time
+    assert {e.end - e.start for e in even.timeline if e.kind == "F"} == {0.5}
+    with pytest.raises(piper.PiperError, match="unknown cost key 'F\\+X'"):
+        simulate(plans, {**FB, "F+X": 1})
