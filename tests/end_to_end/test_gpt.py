@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -99,11 +100,10 @@ def test_gpu_check_script_runs_on_the_cpu_and_both_steps_agree() -> None:
         [sys.executable, script, "--cpu-smoke"], capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    losses = {
-        line.split()[0]: float(line.split()[-1])
-        for line in result.stdout.splitlines()
-        if line.startswith(("pjit ", "piper "))
-    }
-    assert set(losses) == {"pjit", "piper"}, result.stdout
-    assert abs(losses["pjit"] - losses["piper"]) < 1e-4, result.stdout
-    assert "ratio piper/pjit" in result.stdout
+    runs = re.findall(r"^(\S.*?)\s+first step .* loss (\S+)$", result.stdout, re.MULTILINE)
+    losses = {name: float(loss) for name, loss in runs}
+    variants = {"piper", "piper, no non-finite guard"}
+    assert set(losses) == {"pjit", *variants}, result.stdout
+    for name in variants:
+        assert abs(losses["pjit"] - losses[name]) < 1e-4, result.stdout
+        assert f"ratio {name} / pjit" in result.stdout
