@@ -1,4 +1,5 @@
-"""recompute: matched regions keep only their inputs and run the forward again in B."""
+"""recompute: matched regions keep only their inputs (or also their matrix products'
+outputs) and run the forward (or its elementwise rest) again in B."""
 
 from __future__ import annotations
 
@@ -21,5 +22,5 @@ def apply_recompute(dag: TrainingDAG, directive: Recompute, index: int) -> Train
     regions = {n.region for n in nodes}
     for n in list(dag.compute_nodes()):
         if n.region in regions:
-            dag.replace(dataclasses.replace(n, recompute=True))
+            dag.replace(dataclasses.replace(n, recompute=directive.keep))
     return dag

@@ -8,7 +8,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from piper_jax.ir.dag import PASSES
+from piper_jax.ir.dag import PASSES, RECOMPUTE_KEEPS
 from piper_jax.ir.errors import DirectiveError
 
 FilterValue = int | str
@@ -279,12 +279,20 @@ class Order:
 
 @dataclasses.dataclass(frozen=True)
 class Recompute:
-    """Activation checkpointing: keep only region inputs and recompute F inside B."""
+    """Activation checkpointing: F keeps for B only its inputs ("inputs": B runs the
+    forward again) or also every matrix product's output ("dots": B recomputes only
+    the elementwise work between them)."""
 
     filter: dict
+    keep: str = "inputs"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "filter", check_filter(self.filter, "recompute"))
+        if self.keep not in RECOMPUTE_KEEPS:
+            raise DirectiveError(
+                f"recompute: keep must be one of {', '.join(map(repr, RECOMPUTE_KEEPS))}, "
+                f"got {self.keep!r}"
+            )
 
 
 Directive = Split | Place | Replicate | Shard | ShardTensor | Order | Recompute

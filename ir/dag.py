@@ -12,6 +12,8 @@ from piper_jax.ir.layout import DeviceMesh, ParamLayout, group_str
 
 PASSES = ("F", "B", "BI", "BW")
 WEIGHT_GRAD_PASSES = ("B", "BW")
+# what a recomputed region's forward keeps for its backward (directives/types.Recompute)
+RECOMPUTE_KEEPS = ("inputs", "dots")
 
 
 class NodeKind(enum.StrEnum):
@@ -58,7 +60,8 @@ class Node:
         parameters (ALL_GATHER) or gradients (REDUCE_SCATTER) a ZeRO collective serves.
       value: what a communication node carries, as plans name it: F1.3, grad[0,2],
         grad[B0.3], param[F0.3], gnorm.
-      recompute: the region's forward is run again inside its backward (`recompute`).
+      recompute: what the region's forward keeps for its backward under `recompute`
+        ("inputs" or "dots", see directives/types.Recompute); "" keeps every residual.
       param_layout: how the group holds parameters, gradients and optimizer state
         (ZeRO level, gradient buckets).
       overlap: nodes sharing an id were named in one order group: they run as one unit,
@@ -77,7 +80,7 @@ class Node:
     peer: tuple[int, ...] = ()
     carries: int | None = None
     value: str = ""
-    recompute: bool = False
+    recompute: str = ""
     param_layout: ParamLayout = ParamLayout()
     overlap: int | None = None
 

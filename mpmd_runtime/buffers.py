@@ -122,7 +122,8 @@ class PlanContext:
     Attributes:
       lifted: the regions (inputs, outputs, parameters, which read the batch).
       zero_level: per device group.
-      recompute: regions whose forward runs again in the backward.
+      recompute: regions whose forward runs (in part) again in the backward, with what
+        their forward keeps ("inputs" or "dots").
       split: (region, microbatch) whose backward runs as BI + BW.
       param_sets: parameter indices of every UPD (`UPD1`) and gradient ALL_REDUCE
         value (`grad[0,2]`, `grad[0,2]/1`) and bucketed reduce-scatter (`grad[B0.3]/1`).
@@ -135,7 +136,7 @@ class PlanContext:
 
     lifted: LiftedLoss
     zero_level: Mapping[Group, int]
-    recompute: frozenset[int]
+    recompute: Mapping[int, str]
     split: frozenset[tuple[int, int | None]]
     param_sets: Mapping[str, tuple[int, ...]]
     reduced_by: Mapping[Group, Mapping[int, str]]

@@ -135,7 +135,7 @@ class Runtime:
                 lifted,
                 self.meshes[g],
                 self.loss_seed,
-                region in self.ctx.recompute,
+                self.ctx.recompute.get(region, ""),
                 self.experts(g),
                 self.holds_experts(lifted.regions[region], g),
             )

@@ -17,7 +17,7 @@ import dataclasses
 import hashlib
 from collections.abc import Mapping
 
-from piper_jax.ir.dag import NodeKind, TrainingDAG
+from piper_jax.ir.dag import RECOMPUTE_KEEPS, NodeKind, TrainingDAG
 from piper_jax.ir.errors import PlanError
 from piper_jax.ir.layout import DeviceMesh, group_str
 from piper_jax.ir.lift import LiftedLoss
@@ -64,7 +64,8 @@ class Plans:
         several fused into one program).
       param_sets: parameter indices of each UPD (`UPD1`), gradient ALL_REDUCE
         (`grad[0,2]`, buckets `grad[0,2]/1`) and bucketed reduce-scatter.
-      recompute: regions whose forward runs again inside the backward.
+      recompute: per region whose forward runs (in part) again inside its backward, what
+        the forward keeps: "inputs" or "dots" (directives/types.Recompute).
       global_norm: the updates read the global gradient norm (`gnorm`).
       forward_only: evaluation plans: forward passes only, keeping no residuals.
       order: every step once, as (groups, step indices) events in the order a single
@@ -77,7 +78,7 @@ class Plans:
     tensor: dict[Group, dict[int, tuple[str | None, ...]]]
     steps: dict[Group, list[Step]]
     param_sets: dict[str, tuple[int, ...]]
-    recompute: frozenset[int]
+    recompute: dict[int, str]
     global_norm: bool
     forward_only: bool
     order: list[Event]
@@ -128,7 +129,11 @@ class Plans:
                 axes = ",".join(axis or "-" for axis in spec)
                 lines.append(f"spec {group_str(g)} {p} = {axes}")
         if self.recompute:
-            lines.append("recompute " + " ".join(str(r) for r in sorted(self.recompute)))
+            regions = [
+                str(r) if keep == "inputs" else f"{r}:{keep}"
+                for r, keep in sorted(self.recompute.items())
+            ]
+            lines.append("recompute " + " ".join(regions))
         if self.global_norm:
             lines.append("global_norm")
         if self.forward_only:
@@ -148,7 +153,7 @@ class Plans:
         tensor: dict[Group, dict[int, tuple[str | None, ...]]] = {}
         steps: dict[Group, list[Step]] = {}
         param_sets: dict[str, tuple[int, ...]] = {}
-        recompute: frozenset[int] = frozenset()
+        recompute: dict[int, str] = {}
         global_norm = forward_only = False
         current: list[Step] | None = None
         lines = text.splitlines()
@@ -173,7 +178,11 @@ class Plans:
                     spec = tuple(None if a == "-" else a for a in axes.split(","))
                     tensor.setdefault(_parse_group(devices), {})[int(param)] = spec
                 elif word == "recompute":
-                    recompute = frozenset(int(r) for r in rest.split())
+                    for entry in rest.split():
+                        region, _, keep = entry.partition(":")
+                        if keep not in ("", *RECOMPUTE_KEEPS):
+                            raise ValueError(f"recompute {entry!r} keeps {keep!r}")
+                        recompute[int(region)] = keep or "inputs"
                 elif word == "global_norm":
                     global_norm = True
                 elif word == "forward_only":
@@ -226,7 +235,7 @@ def finish_plans(
     tensor: Mapping[Group, dict[int, tuple[str | None, ...]]],
     steps: Mapping[Group, list[Step]],
     param_sets: Mapping[str, tuple[int, ...]],
-    recompute: frozenset[int],
+    recompute: dict[int, str],
     global_norm: bool,
     forward_only: bool,
 ) -> Plans:
@@ -259,7 +268,7 @@ def compile_plans(dag: TrainingDAG, lifted: LiftedLoss, fuse_collectives: bool =
     zero_level = {n.devices: n.param_layout.zero_level for n in dag.compute_nodes()}
     steps = {g: to_steps(dag, order[g], keys, g) for g in groups}
     param_sets = _param_sets(dag)
-    recompute = frozenset(n.region for n in dag.compute_nodes() if n.recompute)
+    recompute = {n.region: n.recompute for n in dag.compute_nodes() if n.recompute}
     global_norm = any(n.value == GNORM for n in dag.of_kind(NodeKind.ALL_REDUCE))
     forward_only = not any(n.pass_ != "F" for n in dag.compute_nodes())
     tensor: dict[Group, dict[int, tuple[str | None, ...]]] = {}

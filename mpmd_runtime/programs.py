@@ -146,6 +146,15 @@ def cotangent_sources(lifted: LiftedLoss, region: Region) -> list[list[tuple[int
     return sources
 
 
+def with_recompute_policy(fn: Callable, keep: str) -> Callable:
+    """`fn`, whose VJP keeps every matrix product's output and recomputes the rest when
+    `keep` is "dots" (XLA keeps about that much inside one program of forward and
+    backward); `fn` itself otherwise."""
+    if keep == "dots":
+        return jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_saveable)
+    return fn
+
+
 class RegionPrograms:
     """The passes of one region on one device group, as functions of global arrays.
 
@@ -160,9 +169,11 @@ class RegionPrograms:
       backward_input(params, residuals, cots)       -> (input cotangents, cross values)
       backward_weight(params, residuals, cross[, acc]) -> acc or grads
 
-    Under `recompute` the residuals are the region's inputs and the backward runs the
-    forward again. See Note [residuals hold activations only] and, for `ep` groups,
-    Note [experts over ep].
+    Under `recompute` ("inputs") the residuals are the region's inputs and the backward
+    runs the forward again; keeping "dots", they are the inputs and every matrix
+    product's output, and the backward recomputes the elementwise work between them.
+    See Note [residuals hold activations only] and, for `ep` groups, Note [experts over
+    ep].
     """
 
     def __init__(
@@ -171,13 +182,14 @@ class RegionPrograms:
         lifted: LiftedLoss,
         mesh: Mesh,
         loss_seed: float,
-        recompute: bool,
+        recompute: str,
         experts: int | None = None,
         holds_experts: bool = False,
     ):
         self.region, self.lifted, self.mesh, self.experts = region, lifted, mesh, experts
         self.holds_experts = holds_experts
-        self.loss_seed, self.recompute = loss_seed, recompute
+        self.loss_seed, self.keep = loss_seed, recompute
+        self.recompute = recompute == "inputs"
         self.float_in = [
             lifted.regions[a.region].out_is_float(a.position) for a in region.act_inputs
         ]
@@ -245,6 +257,7 @@ class RegionPrograms:
             )
 
         float_acts = [a for a, f in zip(acts, self.float_in) if f]
+        differentiable = with_recompute_policy(differentiable, self.keep)
         f_outs, vjp, i_outs = jax.vjp(differentiable, params, float_acts, has_aux=True)
         fi, ii = iter(f_outs), iter(i_outs)
         return [next(fi) if f else next(ii) for f in self.float_out], vjp

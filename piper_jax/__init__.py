@@ -76,10 +76,11 @@ def order(filters: Sequence[Any]) -> Order:
     return Order(filters)
 
 
-def recompute(filter: dict) -> Recompute:
+def recompute(filter: dict, keep: str = "inputs") -> Recompute:
     """Activation checkpointing: matched regions keep only their inputs and run their
-    forward again inside the backward."""
-    return Recompute(filter)
+    forward again inside the backward (keep="inputs"), or also keep every matrix
+    product's output and recompute only the elementwise work (keep="dots")."""
+    return Recompute(filter, keep)
 
 
 __all__ = [

@@ -26,6 +26,7 @@ from flax import nnx
 
 from piper_jax.ir.dag import NodeKind, TrainingDAG
 from piper_jax.ir.lift import LiftedLoss, Region
+from piper_jax.mpmd_runtime.programs import with_recompute_policy
 from piper_jax.mpmd_runtime.simulator import TimelineEvent, peak_activations
 from piper_jax.rng import COUNTER_AVAL
 
@@ -61,8 +62,9 @@ def _float_parts(region: Region, lifted: LiftedLoss) -> tuple[list[bool], list[b
     return float_in, float_out
 
 
-def _linearize(region: Region, lifted: LiftedLoss) -> Callable:
-    """(params, batch, acts) -> (outputs, the VJP of the float outputs)."""
+def _linearize(region: Region, lifted: LiftedLoss, keep: str = "") -> Callable:
+    """(params, batch, acts) -> (outputs, the VJP of the float outputs), the VJP keeping
+    what `keep` says (programs.with_recompute_policy)."""
     float_in, float_out = _float_parts(region, lifted)
 
     def linearize(params: list, batch: list, acts: list) -> tuple[list, Any]:
@@ -73,6 +75,7 @@ def _linearize(region: Region, lifted: LiftedLoss) -> Callable:
             return kept, [o for o, f in zip(outs, float_out) if not f]
 
         floats = [a for a, f in zip(acts, float_in) if f]
+        differentiable = with_recompute_policy(differentiable, keep)
         f_outs, vjp, i_outs = jax.vjp(differentiable, params, floats, has_aux=True)
         fi, ii = iter(f_outs), iter(i_outs)
         return [next(fi) if f else next(ii) for f in float_out], vjp
@@ -80,14 +83,15 @@ def _linearize(region: Region, lifted: LiftedLoss) -> Callable:
     return linearize
 
 
-def residual_bytes(region: Region, lifted: LiftedLoss) -> int:
-    """Bytes one F of `region` (at the shapes it was lifted at) keeps for its B."""
+def residual_bytes(region: Region, lifted: LiftedLoss, keep: str = "") -> int:
+    """Bytes one F of `region` (at the shapes it was lifted at) keeps for its B (under
+    `recompute` keeping "dots" when `keep` says so)."""
     shapes = [jax.ShapeDtypeStruct(s, d) for s, d in region.in_shapes]
     n_p, n_b = len(region.param_ids), len(region.batch_ids)
     kept: list[Any] = []
 
     def probe(params: list, batch: list, acts: list) -> list:
-        outs, vjp = _linearize(region, lifted)(params, batch, acts)
+        outs, vjp = _linearize(region, lifted, keep)(params, batch, acts)
         kept.extend(
             jax.ShapeDtypeStruct(x.shape, x.dtype)
             for x in jax.tree.leaves(vjp)
@@ -270,6 +274,9 @@ def lowered_memory(
             continue
         lifted = lowered.lifts[n.devices]
         region = lifted.regions[n.region]
-        kept[n.region] = input_bytes(region) if n.recompute else residual_bytes(region, lifted)
+        if n.recompute == "inputs":
+            kept[n.region] = input_bytes(region)
+        else:
+            kept[n.region] = residual_bytes(region, lifted, n.recompute)
     param_bytes = [int(np.asarray(x).nbytes) for x in lowered.param_leaves]
     return estimate_memory(lowered.dag, lowered.lifted, param_bytes, ratio, timeline, kept)

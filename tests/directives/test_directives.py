@@ -45,11 +45,24 @@ def test_json_round_trip(tmp_path) -> None:
         piper.split({"PP": "*"}, num_microbatches=4),
         piper.place({"PP": 0}, [0, 1], stream="pp"),
         piper.replicate({"PP": 0}, [0, 1]),
+        piper.recompute({"PP": 1}, keep="dots"),
         *piper.schedules.one_f_one_b(2, 4),
     ]
     path = tmp_path / "s.json"
     piper.dump_directives(directives, path)
     assert piper.load_directives(path) == directives
+
+
+def test_recompute_keeps_inputs_or_dots(tmp_path) -> None:
+    assert piper.recompute({"PP": 0}).keep == "inputs"
+    with pytest.raises(piper.DirectiveError, match="keep must be one of 'inputs', 'dots'"):
+        piper.recompute({"PP": 0}, keep="everything")
+    path = tmp_path / "s.json"
+    path.write_text('[{"op": "recompute", "filter": {"PP": 0}, "keep": "all"}]')
+    with pytest.raises(piper.DirectiveError, match=r"directive 0: recompute: keep must"):
+        piper.load_directives(path)
+    path.write_text('[{"op": "recompute", "filter": {"PP": 0}}]')  # the reference's form
+    assert piper.load_directives(path) == [piper.recompute({"PP": 0})]
 
 
 def test_json_unknown_field(tmp_path) -> None:

@@ -56,6 +56,15 @@ STRATEGIES = {
         2,
         lambda: [piper.replicate({"PP": "*"}, [0, 1]), piper.recompute({"PP": "*"})],
     ),
+    "recompute_dots_1f1b": (
+        2,
+        lambda: (
+            split(4)
+            + placed(2, lambda s: s)
+            + [piper.recompute({"PP": 1}, keep="dots")]
+            + schedules.one_f_one_b(2, 4)
+        ),
+    ),
 }
 
 

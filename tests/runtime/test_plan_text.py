@@ -61,6 +61,15 @@ def test_golden_plan_text(name: str) -> None:
     assert Plans.from_text(text).to_text() == text
 
 
+def test_recompute_in_plan_text() -> None:
+    directives = [*pp2_dp2({}), piper.recompute({"PP": 0}), piper.recompute({"PP": 1}, "dots")]
+    text = lowered(directives).plans.to_text()
+    assert "\nrecompute 0 1:dots\n" in text
+    assert Plans.from_text(text).recompute == {0: "inputs", 1: "dots"}
+    with pytest.raises(piper.PlanError, match=r"plan text line \d+: recompute '1:all'"):
+        Plans.from_text(text.replace("1:dots", "1:all"))
+
+
 def test_plan_text_errors_name_the_line() -> None:
     text = lowered(STRATEGIES["1f1b_p2_m4"]()).plans.to_text().replace("F0.1", "G0.1", 1)
     with pytest.raises(piper.PlanError, match=r"plan text line \d+: not an instruction: 'G0.1'"):
