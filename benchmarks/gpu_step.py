@@ -1,7 +1,9 @@
 """One-GPU step time and MFU of the example GPT: piper-jax with no directives next to a
 plain `jax.jit` value_and_grad + optax step (piper_jax.baselines.pjit_step, "dp" on one
-device), and piper-jax without its non-finite gradient guard (nonfinite="ignore"), to
-show what the guard costs. fp32 parameters and activations (XLA's default matmul precision).
+device), piper-jax without its non-finite gradient guard (nonfinite="ignore"), to show
+what the guard costs, and piper-jax keeping only inputs and matrix products' outputs for
+the backward (recompute keep="dots"), to show what writing every residual costs. fp32
+parameters and activations (XLA's default matmul precision).
 
 MFU = 6 * params * tokens per step / step time / peak FLOP/s; 6N per token leaves out the
 attention score FLOPs, so it slightly understates the work. --cpu-smoke runs a tiny
@@ -106,13 +108,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.peak_tflops:g} TFLOP/s (--peak-tflops; 989 = H100/H200 dense bf16)"
     )
 
-    def piper_step(**flags: Any) -> Any:
-        return piper.compile(loss_fn, model(), optimizer, batch, [], devices, **flags)
+    def piper_step(directives: tuple = (), **flags: Any) -> Any:
+        return piper.compile(loss_fn, model(), optimizer, batch, list(directives), devices, **flags)
 
     runs = {
         "pjit": lambda: pjit_step(loss_fn, model(), optimizer, batch, devices, "dp"),
         "piper": piper_step,
         "piper, no non-finite guard": lambda: piper_step(nonfinite="ignore"),
+        "piper, keeping dots": lambda: piper_step(
+            directives=[piper.recompute({"PP": "*"}, keep="dots")]
+        ),
     }
     results = {}
     for name, build in runs.items():
