@@ -147,9 +147,8 @@ def cotangent_sources(lifted: LiftedLoss, region: Region) -> list[list[tuple[int
 
 
 def with_recompute_policy(fn: Callable, keep: str) -> Callable:
-    """`fn`, whose VJP keeps every matrix product's output and recomputes the rest when
-    `keep` is "dots" (XLA keeps about that much inside one program of forward and
-    backward); `fn` itself otherwise."""
+    """`fn`, whose VJP keeps only its inputs and every matrix product's output and
+    recomputes the elementwise rest when `keep` is "dots"; `fn` itself otherwise."""
     if keep == "dots":
         return jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_saveable)
     return fn
