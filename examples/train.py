@@ -80,9 +80,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     group.add_argument(
         "--recompute",
-        action="store_true",
+        nargs="?",
+        const="inputs",
+        choices=("inputs", "dots"),
         help="activation checkpointing: keep only each region's inputs, run its\n"
-        "forward again in the backward (not with zb-h1 or dualpipev)",
+        "forward again in the backward; '--recompute dots' also keeps every matrix\n"
+        "product's output and recomputes only the elementwise work (not with\n"
+        "zb-h1 or dualpipev)",
     )
     group.add_argument(
         "--strategy",
@@ -189,7 +193,7 @@ def built_strategy(args: argparse.Namespace) -> tuple[list, int, int]:
         if args.ep > 1:
             directives.append(piper.shard({"PP": s, "EP": "*"}, devices[: args.ep]))
     if args.recompute:
-        directives.append(piper.recompute({"PP": "*"}))
+        directives.append(piper.recompute({"PP": "*"}, keep=args.recompute))
     return directives + orders, regions, pp * dp
 
 
@@ -217,7 +221,9 @@ def describe(args: argparse.Namespace) -> str:
         text += f", EP={args.ep}"
     if args.zero:
         text += f", ZeRO-{args.zero}"
-    return text + (", recompute" if args.recompute else "")
+    if args.recompute:
+        text += ", recompute" + ("" if args.recompute == "inputs" else f" ({args.recompute})")
+    return text
 
 
 def launch_self(args: argparse.Namespace, argv: list[str], devices: int) -> int:

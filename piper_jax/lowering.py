@@ -120,6 +120,10 @@ class Lowered:
                     "; its tokens come (dispatch) and go (combine) by all-to-all over ep "
                     "(the ALL_TO_ALL steps of its plan)"
                 )
+            keep = self.plans.recompute.get(r.index)
+            if keep:
+                what = "its inputs" if keep == "inputs" else "its inputs and matmul outputs"
+                line += f"; recomputed: F keeps {what} for B"
             lines.append(line)
         lines.append("plan grid (rows: replay rounds, columns: device groups; a + b: one program):")
         lines.append(self.plans.grid())

@@ -56,12 +56,15 @@ def one_f_one_b(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
 @pytest.mark.parametrize(
     "flags, layout",
     [
-        (["--schedule", "gpipe", "--zero", "2"], "params replicated, grads flat(dp)"),
+        (
+            ["--schedule", "gpipe", "--zero", "2", "--recompute", "dots"],
+            "params replicated, grads flat(dp)",
+        ),
         (["--schedule", "interleaved", "--recompute"], "params replicated, grads partial(dp)"),
         (["--schedule", "zb-h1", "--zero", "3"], "params flat(dp), grads flat(dp)"),
         (["--schedule", "dualpipev", "--zero", "1"], "params replicated, grads flat(dp)"),
     ],
-    ids=["gpipe-zero2", "interleaved-recompute", "zb-h1-zero3", "dualpipev-zero1"],
+    ids=["gpipe-zero2-recompute-dots", "interleaved-recompute", "zb-h1-zero3", "dualpipev-zero1"],
 )
 def test_every_schedule_trains_like_1f1b(
     one_f_one_b: list[float], flags: list[str], layout: str
@@ -71,6 +74,9 @@ def test_every_schedule_trains_like_1f1b(
     equal one-device training."""
     out = run(*flags, "--explain", *QUIET)
     assert f"{flags[1]}, m=4" in out
+    if "--recompute" in flags:
+        keeps = "its inputs and matmul outputs" if "dots" in flags else "its inputs"
+        assert f"recomputed: F keeps {keeps} for B" in out
     assert f"on d0,2[dp=2]; {layout}" in out
     assert numbers(out) == pytest.approx(one_f_one_b, abs=2e-3), flags
 
