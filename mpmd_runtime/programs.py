@@ -181,14 +181,14 @@ class RegionPrograms:
         lifted: LiftedLoss,
         mesh: Mesh,
         loss_seed: float,
-        recompute: str,
+        keep: str,
         experts: int | None = None,
         holds_experts: bool = False,
     ):
         self.region, self.lifted, self.mesh, self.experts = region, lifted, mesh, experts
         self.holds_experts = holds_experts
-        self.loss_seed, self.keep = loss_seed, recompute
-        self.recompute = recompute == "inputs"
+        self.loss_seed, self.keep = loss_seed, keep  # "", or under recompute "inputs"/"dots"
+        self.recompute = keep == "inputs"  # the backward runs the whole forward again
         self.float_in = [
             lifted.regions[a.region].out_is_float(a.position) for a in region.act_inputs
         ]
