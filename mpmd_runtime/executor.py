@@ -32,7 +32,17 @@ from piper_jax.mpmd_runtime import binders, state
 from piper_jax.mpmd_runtime import buffers as bf
 from piper_jax.mpmd_runtime import programs as pg
 from piper_jax.mpmd_runtime.compile_ahead import UnitCall, abstract, compile_ahead, default_workers
-from piper_jax.mpmd_runtime.instructions import ALL_REDUCE, FREE, GNORM, RUN, SEND, Step
+from piper_jax.mpmd_runtime.instructions import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    FREE,
+    GNORM,
+    REDUCE_SCATTER,
+    RUN,
+    SEND,
+    Step,
+)
 from piper_jax.mpmd_runtime.plans import Plans
 from piper_jax.mpmd_runtime.replay import Event
 from piper_jax.mpmd_runtime.simulator import TimelineEvent
@@ -304,6 +314,7 @@ class Executor:
                     env.update(piece.fn(env))
                 return [env[b] for b in outputs]
 
+            program.__name__ = _program_name(step)
             self._unit_programs[key] = jax.jit(program, donate_argnums=(0,))
         jitted = self._unit_programs[key]
         consumed_values = [b for b in kept if b in consumed]  # residuals: dropped after use
@@ -608,6 +619,22 @@ def _signature(g: Group, step: Step, *buffers: list[bf.Buffer]) -> tuple:
         tuple(canonical(str(i)) for i in step.instructions),
         *(tuple(canonical(str(b)) for b in group) for group in buffers),
     )
+
+
+_SHORT = {ALL_REDUCE: "AR", REDUCE_SCATTER: "RS", ALL_GATHER: "AG", ALL_TO_ALL: "A2A"}
+_NAME_LENGTH = 60  # JAX's compilation cache names its files after the program
+
+
+def _program_name(step: Step) -> str:
+    """A fused step's program name, its instructions without microbatches or operands
+    ("F0_B0_AR_UPD0" for "F0.3 + B0.3 + ALL_REDUCE gnorm d0 + UPD0"): what XLA's dumps and
+    the profiler's trace call the program."""
+    parts = [
+        _MICROBATCH.sub("", str(i.label)) if i.op == RUN else _SHORT.get(i.op, f"{i.op}{i.value}")
+        for i in step.instructions
+    ]
+    name = re.sub(r"\W+", "_", "_".join(parts)).strip("_")
+    return name if len(name) <= _NAME_LENGTH else name[: _NAME_LENGTH - 4] + "_etc"
 
 
 def random_counters(step: int, num_microbatches: int, width: int) -> np.ndarray:

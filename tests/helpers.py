@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -80,9 +81,13 @@ def _count_compilation(event: str, _seconds: float, **labels: str) -> None:
 jax.monitoring.register_event_duration_secs_listener(_count_compilation)
 
 
-def xla_compilations(fun_name: str | None = None) -> int:
-    """How many programs (of functions named `fun_name`) XLA has compiled in this process."""
-    return _COMPILED.total() if fun_name is None else _COMPILED[fun_name]
+def xla_compilations(fun_names: str | Iterable[str] | None = None) -> int:
+    """How many programs (of functions named `fun_names`, as jax labels them:
+    "jit(f)") XLA has compiled in this process."""
+    if fun_names is None:
+        return _COMPILED.total()
+    names = {fun_names} if isinstance(fun_names, str) else set(fun_names)
+    return sum(_COMPILED[n] for n in names)
 
 
 def reference_run(
