@@ -62,12 +62,30 @@ class Kind(enum.StrEnum):
 PERSISTENT = frozenset({Kind.PARAM, Kind.ACC, Kind.OPT})
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class Buffer:
-    """A key of a group's store (Note [buffers of a device group])."""
+    """A key of a group's store (Note [buffers of a device group]). Its hash is computed
+    once: the executor looks buffers up in stores about a thousand times per step, and
+    the generated hash (through the enum's Python-level hash) was a tenth of its host
+    time."""
 
     kind: Kind
     name: str
+    _hash: int = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.kind.value, self.name)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Buffer)
+            and self._hash == other._hash
+            and self.kind is other.kind
+            and self.name == other.name
+        )
 
     def __str__(self) -> str:
         return self.name if self.kind is Kind.VALUE else f"{self.kind.value}:{self.name}"
@@ -268,8 +286,9 @@ def _update_access(region: int, group: Group, ctx: PlanContext) -> Access:
     written = (
         [value(f"param[UPD{region}]")] if ctx.zero_level[group] == 2 else params
     )  # ZeRO-2 writes the updated shards, which its ALL_GATHER turns into parameters
-    # the accumulators are read, not consumed: donated, XLA would copy each one before
+    # the accumulators are read, not consumed: donated, XLA:CPU would copy each one before
     # writing zeros into its buffer (three passes over it); kept, it writes fresh zeros
+    # (off the CPU the executor donates them anyway: Note [state keeps its buffers])
     return Access(
         reads=tuple(dict.fromkeys((*params, *grads, *accs, state, *extra))),
         consumes=frozenset({*params, state}),

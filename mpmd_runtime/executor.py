@@ -228,6 +228,7 @@ class Executor:
         self._last_read: dict[Group, dict[bf.Buffer, int]] = {}
         self.step_events: list[Event] = [e for e in plans.order if self._takes_part(e)]
         self._units: dict[int, UnitCall] = {}  # by position in `steps`
+        self._rewrite_in_place = rewrites_state_in_place(devices)
         self.steps: list[Closure] = [self._bind(i, e) for i, e in enumerate(self.step_events)]
         # the fused steps of several-device groups on XLA:CPU, by position: their group
         self._bounded = {
@@ -304,6 +305,9 @@ class Executor:
         ]
         # state read for the last time is donated: its buffers become the new state's
         donated = [b for b in inputs if b in consumed and b.kind in bf.PERSISTENT]
+        if self._rewrite_in_place:  # Note [state keeps its buffers]
+            donated += [b for b in inputs if b in produced and b.kind is bf.Kind.ACC]
+            donated = list(dict.fromkeys(donated))
         kept = [b for b in inputs if b not in donated]
         key = _signature(g, step, donated, kept, outputs)
         if key not in self._unit_programs:
@@ -363,10 +367,10 @@ class Executor:
 
     def run(self, batch_leaves: Sequence[np.ndarray]) -> None:
         """Dispatch every step of this process for one training step."""
+        self.losses.clear()  # first: the new batch and losses may take their buffers
+        self.grad_norm = None
         self._stage_batch(batch_leaves)
         self._compile_ahead()
-        self.losses.clear()
-        self.grad_norm = None
         witnesses = self._witnesses = []
         lockstep, bounded, in_flight = self._lockstep, self._bounded, self._in_flight
         i = 0
@@ -548,6 +552,18 @@ class Executor:
 _MICROBATCH = re.compile(r"\.(\d+)")
 
 
+# Note [state keeps its buffers]
+# XLA:GPU runs a program as CUDA graphs recorded for the addresses of its buffers and
+# updates a graph whenever one of them moved. An update writes fresh zeros into the
+# gradient accumulators it read; kept apart, those zeros landed elsewhere each step, and
+# every program that reads or writes an accumulator had its graphs updated on every step:
+# on one H200, 6 ms of host time per step for a 12-layer GPT (more than launching the
+# graphs), on the critical path at the start of a step. So off the CPU the update writes
+# its zeros over the accumulators it read (donated), as every other program writes its
+# state in place. On XLA:CPU, which has no graphs to update, that made XLA copy each
+# accumulator first (three passes over it), so there the zeros are fresh.
+
+
 # Note [in-process collectives ahead on XLA:CPU]
 # XLA:CPU runs the devices' parts of a program with collectives on a pool of threads;
 # with more than about 32 such programs of one device group dispatched and runnable at
@@ -565,12 +581,16 @@ MAX_IN_FLIGHT = 16
 # does); an output that was freed or donated was read by a later step, whose outputs
 # tell when both finished. A transfer's or a reduction's are held: nothing else reads
 # some of them, and a failed one must be found and named (mpmd_runtime/watchdog.py).
+# The outputs of one program all finish together, so a fused step is witnessed by one
+# array of each output (its residuals are hundreds of arrays).
 Witness = list[Any]  # jax.Array or weakref.ref to one
 
 
 def _witness(out: Any, weak: bool) -> Witness:
-    leaves = jax.tree.leaves(out)
-    return [weakref.ref(x) for x in leaves] if weak else leaves
+    if not weak:
+        return jax.tree.leaves(out)
+    firsts = (jax.tree.leaves(value)[:1] for value in out)
+    return [weakref.ref(x) for first in firsts for x in first]
 
 
 def _alive(witness: Witness) -> list[jax.Array]:
@@ -619,6 +639,11 @@ def _signature(g: Group, step: Step, *buffers: list[bf.Buffer]) -> tuple:
         tuple(canonical(str(i)) for i in step.instructions),
         *(tuple(canonical(str(b)) for b in group) for group in buffers),
     )
+
+
+def rewrites_state_in_place(devices: Sequence[jax.Device]) -> bool:
+    """Note [state keeps its buffers]."""
+    return devices[0].platform != "cpu"
 
 
 _SHORT = {ALL_REDUCE: "AR", REDUCE_SCATTER: "RS", ALL_GATHER: "AG", ALL_TO_ALL: "A2A"}

@@ -146,7 +146,7 @@ def optimizer_state(rt: Runtime) -> dict[str, np.ndarray]:
             continue
         names = rt.ctx.names(rt.ctx.param_sets[f"UPD{r}"])
         full = opt_layout.to_full(
-            rt.stores[g][bf.opt(r)],
+            rt.update_program(r, g).state_tree(rt.stores[g][bf.opt(r)]),
             {n: rt.param_avals[n][0] for n in names},
             rt.ctx.zero_level[g],
             lambda x, g=g: host_value(rt, g, x),
@@ -177,13 +177,15 @@ def load_state(
         if g not in rt.local:
             continue
         names = rt.ctx.names(rt.ctx.param_sets[f"UPD{r}"])
-        rt.stores[g][bf.opt(r)] = opt_layout.from_full(
+        program = rt.update_program(r, g)
+        state = opt_layout.from_full(
             opt_state,
-            rt.stores[g][bf.opt(r)],
+            program.state_tree(rt.stores[g][bf.opt(r)]),
             {n: rt.param_avals[n][0] for n in names},
             rt.ctx.zero_level[g],
             rt.meshes[g],
         )
+        rt.stores[g][bf.opt(r)] = jax.tree.leaves(state)
 
 
 def share(

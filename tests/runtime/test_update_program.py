@@ -61,3 +61,30 @@ def test_accumulators_keep_one_row_per_device_across_steps(zero: bool) -> None:
     assert accs
     for acc in accs:
         assert {s.data.shape[0] for s in acc.addressable_shards} == {1}, acc.sharding
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["dp2", "dp2_zero2"])
+def test_update_writes_zeros_over_the_accumulators_off_the_cpu(
+    monkeypatch: pytest.MonkeyPatch, zero: bool
+) -> None:
+    """Off the CPU (Note [state keeps its buffers]) the update donates the accumulators it
+    reads and zeroes them in place; training is unchanged."""
+    from helpers import check_mlp_strategy
+    from piper_jax.mpmd_runtime import buffers as bf
+    from piper_jax.mpmd_runtime import executor
+
+    monkeypatch.setattr(executor, "rewrites_state_in_place", lambda devices: True)
+    directives = [
+        piper.split({"PP": "*"}, num_microbatches=2),
+        piper.replicate({"PP": "*"}, [0, 1], shard_grads=zero),
+    ]
+    step = check_mlp_strategy(directives, optax.adam(1e-2))
+    ex = step._executor
+    updates = []
+    for i, unit in ex._units.items():
+        members, index = ex.step_events[i]
+        if any(ins.op == "UPD" for ins in ex.plans.steps[members[0]][index[0]].instructions):
+            updates.append(unit)
+    assert updates
+    for unit in updates:
+        assert [b for b in unit.donated if b.kind is bf.Kind.ACC], unit.donated
