@@ -1,9 +1,11 @@
 """One-GPU step time and MFU of the example GPT: piper-jax with no directives next to a
 plain `jax.jit` value_and_grad + optax step (piper_jax.baselines.pjit_step, "dp" on one
-device), piper-jax without its non-finite gradient guard (nonfinite="ignore"), to show
-what the guard costs, and piper-jax keeping only inputs and matrix products' outputs for
-the backward (recompute keep="dots"), to show what writing every residual costs. fp32
-parameters and activations (XLA's default matmul precision).
+device), piper-jax with its forward and backward as two programs (fuse_passes=False), to
+show what fusing them saves, piper-jax without its non-finite gradient guard
+(nonfinite="ignore"), to show what the guard costs, and piper-jax keeping only inputs and
+matrix products' outputs for the backward (recompute keep="dots"). fp32 parameters and
+activations (XLA's default matmul precision). --profile adds where each run's step time
+went, from a jax.profiler trace (benchmarks/trace_summary.py).
 
 MFU = 6 * params * tokens per step / step time / peak FLOP/s; 6N per token leaves out the
 attention score FLOPs, so it slightly understates the work. --cpu-smoke runs a tiny
@@ -41,6 +43,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="peak dense TFLOP/s for MFU (default 989: H100/H200 SXM dense bf16)",
     )
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny config on the CPU")
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="also trace --traced steps of each run with jax.profiler into DIR and print "
+        "where their time went (benchmarks/trace_summary.py)",
+    )
+    parser.add_argument("--traced", type=int, default=3, help="steps traced per run")
+    parser.add_argument(
+        "--only", help="comma-separated names of the runs to time (default: all); pjit always"
+    )
     args = parser.parse_args(argv)
     if args.cpu_smoke:
         for name, value in TINY.items():
@@ -50,8 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def timed(build: Any, batch: dict, warmup: int, steps: int) -> tuple[float, float, float]:
-    """(seconds to the end of the first step, median seconds per step, last loss)."""
+def timed(build: Any, batch: dict, warmup: int, steps: int) -> tuple[Any, float, float, float]:
+    """(the step, seconds to the end of its first call, median seconds per step, last
+    loss)."""
     t0 = time.perf_counter()
     step = build()
     step(batch)
@@ -63,7 +76,26 @@ def timed(build: Any, batch: dict, warmup: int, steps: int) -> tuple[float, floa
         t0 = time.perf_counter()
         loss = step(batch)["loss"]  # a host float: the step has finished
         times.append(time.perf_counter() - t0)
-    return first, statistics.median(times), loss
+    return step, first, statistics.median(times), loss
+
+
+def traced(step: Any, batch: dict, steps: int, folder: str) -> list[str]:
+    """Where `steps` calls of `step` spent their time, by a jax.profiler trace."""
+    import glob
+
+    import jax
+    from trace_summary import summarize
+
+    os.makedirs(folder, exist_ok=True)
+    before = set(glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True))
+    jax.profiler.start_trace(folder)
+    try:
+        for _ in range(steps):
+            step(batch)
+    finally:
+        jax.profiler.stop_trace()
+    (path,) = set(glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)) - before
+    return summarize(path, steps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,20 +146,29 @@ def main(argv: list[str] | None = None) -> int:
     runs = {
         "pjit": lambda: pjit_step(loss_fn, model(), optimizer, batch, devices, "dp"),
         "piper": piper_step,
+        "piper, passes apart": lambda: piper_step(fuse_passes=False),
         "piper, no non-finite guard": lambda: piper_step(nonfinite="ignore"),
         "piper, keeping dots": lambda: piper_step(
             directives=[piper.recompute({"PP": "*"}, keep="dots")]
         ),
     }
+    if args.only:
+        wanted = {"pjit", *args.only.split(",")}
+        runs = {name: build for name, build in runs.items() if name in wanted}
     results = {}
     for name, build in runs.items():
-        first, step_s, loss = timed(build, batch, args.warmup, args.steps)
+        step, first, step_s, loss = timed(build, batch, args.warmup, args.steps)
         results[name] = step_s
         print(
             f"{name:<26} first step (build+compile) {first:7.1f} s   step {step_s * 1e3:9.2f} ms "
             f"(median of {args.steps})   {flops / step_s / 1e12:8.2f} TFLOP/s   "
             f"MFU {flops / step_s / peak:6.2%}   loss {loss:.5f}"
         )
+        if args.profile:
+            folder = os.path.join(args.profile, "".join(c if c.isalnum() else "_" for c in name))
+            for line in traced(step, batch, args.traced, folder):
+                print(f"    {line}")
+        del step
     for name in list(runs)[1:]:
         ratio = results[name] / results["pjit"]
         print(f"ratio {name} / pjit = {ratio:.3f}x (step time; 1.0 = no overhead)")

@@ -67,78 +67,147 @@ Exchange = Callable[[], Any]
 # ---- pieces ------------------------------------------------------------------------
 
 
+class PassIO:
+    """Where a pass of one region and microbatch on group g finds its inputs in the
+    store and puts its outputs: shared by every pass's piece."""
+
+    def __init__(self, rt: Runtime, g: Group, label: Label):
+        self.rt, self.label = rt, label
+        self.programs = programs = rt.programs(label.region, g)
+        self.region = region = programs.region
+        mb = label.microbatch
+        self.param_reads = rt.ctx.param_inputs(g, label)
+        self.gathered = len(self.param_reads) == 1 and self.param_reads[0].kind is bf.Kind.VALUE
+        self.res, self.cross = bf.residuals(label.region, mb), bf.cross(label.region, mb)
+        self.batch_buf = bf.batch(mb)
+        self.acts = [(bf.value(f"F{a.region}.{mb}"), a.position) for a in region.act_inputs]
+        self.cots = [
+            bf.value(f"{rt.ctx.cotangent_pass(c, mb)}{c}.{mb}") for c in programs.consumers
+        ]
+        self.accs = [bf.acc(n) for n in rt.ctx.names(region.param_ids)]
+        self.sharded = rt.ctx.zero_level[g] >= 2  # gradients go to a reduce-scatter
+        self.grads_out = bf.value(f"grad[{label}]")
+
+    def params(self, env: Env) -> list:
+        if self.gathered:
+            return list(env[self.param_reads[0]])
+        return [env[b] for b in self.param_reads]
+
+    def forward_inputs(self, env: Env) -> tuple[list, list, list]:
+        region = self.region
+        batch = [env[self.batch_buf][i] for i in region.batch_ids] if region.batch_ids else []
+        return self.params(env), batch, [env[b][k] for b, k in self.acts]
+
+    def cotangents(self, env: Env) -> list:
+        return [env[c] for c in self.cots]
+
+    def accumulators(self, env: Env) -> tuple:
+        """The accumulators a backward adds its gradients to (none under ZeRO-2/3)."""
+        return () if self.sharded else ([env[a] for a in self.accs],)
+
+    def gradients(self, out: Env, grads: list) -> Env:
+        if self.sharded:
+            out[self.grads_out] = grads
+        else:
+            out.update(zip(self.accs, grads))
+        return out
+
+
 def run_piece(rt: Runtime, g: Group, ins: Instruction) -> Piece:
     label = ins.label
     access = bf.access(ins, g, rt.ctx)
-    programs = rt.programs(label.region, g)
-    region = programs.region
-    reads = access.reads
-    n_params = len(rt.ctx.param_inputs(g, label))
-    gathered = n_params == 1 and reads[0].kind is bf.Kind.VALUE
-    res, mb = bf.residuals(label.region, label.microbatch), label.microbatch
-
-    def params(env: Env) -> list:
-        if gathered:
-            return list(env[reads[0]])
-        return [env[b] for b in reads[:n_params]]
+    io = PassIO(rt, g, label)
+    programs = io.programs
 
     if label.pass_ == "F":
-        batch_buf = bf.batch(mb)
-        acts = [(bf.value(f"F{a.region}.{mb}"), a.position) for a in region.act_inputs]
         writes = access.writes
 
         def forward(env: Env) -> Env:
-            batch = [env[batch_buf][i] for i in region.batch_ids] if region.batch_ids else []
-            inputs = (params(env), batch, [env[b][k] for b, k in acts])
+            inputs = io.forward_inputs(env)
             if rt.ctx.forward_only:
                 out = {writes[0]: programs.evaluate(*inputs)}
             else:
                 outs, kept = programs.forward(*inputs)
                 out = {writes[0]: outs, writes[1]: kept}
             if writes[-1].kind is bf.Kind.LOSS:  # this microbatch's loss, stacked over replicas
-                out[writes[-1]] = out[writes[0]][region.loss_position]
+                out[writes[-1]] = out[writes[0]][io.region.loss_position]
             return out
 
         return Piece(access, forward)
-    cots = [bf.value(f"{rt.ctx.cotangent_pass(c, mb)}{c}.{mb}") for c in programs.consumers]
-    names = rt.ctx.names(region.param_ids)
-    accs = [bf.acc(n) for n in names]
-    sharded = rt.ctx.zero_level[g] >= 2
-    grads_out = bf.value(f"grad[{label}]")
-
-    def gradients(out: Env, grads: list) -> Env:
-        if sharded:
-            out[grads_out] = grads
-        else:
-            out.update(zip(accs, grads))
-        return out
-
     if label.pass_ == "B":
 
         def backward(env: Env) -> Env:
-            acc = () if sharded else ([env[a] for a in accs],)
-            g_acts, grads = programs.backward[not sharded](
-                params(env), env[res], [env[c] for c in cots], *acc
+            g_acts, grads = programs.backward[not io.sharded](
+                io.params(env), env[io.res], io.cotangents(env), *io.accumulators(env)
             )
-            return gradients({bf.value(label): g_acts}, grads)
+            return io.gradients({bf.value(label): g_acts}, grads)
 
         return Piece(access, backward)
     if label.pass_ == "BI":
-        x = bf.cross(label.region, mb)
 
         def backward_input(env: Env) -> Env:
-            g_acts, cross = programs.backward_input(params(env), env[res], [env[c] for c in cots])
-            return {bf.value(label): g_acts, x: cross}
+            g_acts, cross = programs.backward_input(io.params(env), env[io.res], io.cotangents(env))
+            return {bf.value(label): g_acts, io.cross: cross}
 
         return Piece(access, backward_input)
-    x = bf.cross(label.region, mb)
 
     def backward_weight(env: Env) -> Env:
-        acc = () if sharded else ([env[a] for a in accs],)
-        grads = programs.backward_weight[not sharded](params(env), env[res], env[x], *acc)
-        return gradients({}, grads)
+        grads = programs.backward_weight[not io.sharded](
+            io.params(env), env[io.res], env[io.cross], *io.accumulators(env)
+        )
+        return io.gradients({}, grads)
 
     return Piece(access, backward_weight)
+
+
+def forward_backward_piece(rt: Runtime, g: Group, f: Instruction, b: Instruction) -> Piece:
+    """F and B of one region and microbatch as one pass, whose residuals stay inside it
+    (Note [a forward and its backward in one program] in scheduler.py)."""
+    f_access, b_access = bf.access(f, g, rt.ctx), bf.access(b, g, rt.ctx)
+    f_io, io = PassIO(rt, g, f.label), PassIO(rt, g, b.label)
+    internal = {io.res}
+    access = bf.Access(
+        reads=tuple(
+            dict.fromkeys([*f_access.reads, *(x for x in b_access.reads if x not in internal)])
+        ),
+        consumes=b_access.consumes - internal,
+        writes=tuple(x for x in (*f_access.writes, *b_access.writes) if x not in internal),
+    )
+    f_out, loss = f_access.writes[0], f_access.writes[-1]
+
+    def forward_backward(env: Env) -> Env:
+        outs, g_acts, grads = io.programs.forward_backward[not io.sharded](
+            *f_io.forward_inputs(env), io.cotangents(env), *io.accumulators(env)
+        )
+        out = {f_out: outs, bf.value(b.label): g_acts}
+        if loss.kind is bf.Kind.LOSS:
+            out[loss] = outs[io.region.loss_position]
+        return io.gradients(out, grads)
+
+    return Piece(access, forward_backward)
+
+
+def step_pieces(rt: Runtime, g: Group, instructions: Sequence[Instruction]) -> list[Piece]:
+    """The pieces of a step's instructions, a region's F followed by its B of the same
+    microbatch as one piece."""
+    pieces: list[Piece] = []
+    i = 0
+    while i < len(instructions):
+        ins = instructions[i]
+        after = instructions[i + 1] if i + 1 < len(instructions) else None
+        if (
+            after is not None
+            and ins.op == RUN == after.op
+            and (ins.label.pass_, after.label.pass_) == ("F", "B")
+            and (ins.label.region, ins.label.microbatch)
+            == (after.label.region, after.label.microbatch)
+        ):
+            pieces.append(forward_backward_piece(rt, g, ins, after))
+            i += 2
+        else:
+            pieces.append(PIECES[ins.op](rt, g, ins))
+            i += 1
+    return pieces
 
 
 def gather_piece(rt: Runtime, g: Group, ins: Instruction) -> Piece:

@@ -291,7 +291,7 @@ class Executor:
         it returns what later steps read and all state it wrote. Steps that differ only
         in their microbatches share one program (compiled once). Returns the closure and
         how it calls its program (for Note [compiling ahead])."""
-        pieces = [binders.PIECES[ins.op](self.rt, g, ins) for ins in step.instructions]
+        pieces = binders.step_pieces(self.rt, g, step.instructions)
         produced: dict[bf.Buffer, None] = {}
         inputs: list[bf.Buffer] = []
         consumed: set[bf.Buffer] = set()

@@ -1,7 +1,7 @@
 """Plan compiler: the training DAG -> one list of steps per device group.
 
 The passes, in the order they run (see `compile_plans`):
-  schedule_nodes, attach_collectives, sink_receives (scheduler.py)
+  schedule_nodes, attach_collectives, sink_receives, fuse_forward_backward (scheduler.py)
   to_steps        one instruction per node; consecutive nodes of one unit form one step
   insert_frees    FREE after the last step of a group that touches a value
   dry_run         replay the plans (replay.py): proves they complete, and fixes the one
@@ -42,6 +42,7 @@ from piper_jax.mpmd_runtime.scheduler import (
     attach_collectives,
     attached,
     compute_groups,
+    fuse_forward_backward,
     schedule_nodes,
     sink_receives,
     unit_keys,
@@ -255,8 +256,14 @@ def finish_plans(
     )
 
 
-def compile_plans(dag: TrainingDAG, lifted: LiftedLoss, fuse_collectives: bool = True) -> Plans:
-    """The per-group plans of `dag` (see the module docstring for the passes)."""
+def compile_plans(
+    dag: TrainingDAG,
+    lifted: LiftedLoss,
+    fuse_collectives: bool = True,
+    fuse_passes: bool = False,
+) -> Plans:
+    """The per-group plans of `dag` (see the module docstring for the passes);
+    `fuse_passes`: Note [a forward and its backward in one program]."""
     groups = compute_groups(dag)
     keys = unit_keys(dag, fuse_collectives)
     order = schedule_nodes(dag, groups)
@@ -264,6 +271,8 @@ def compile_plans(dag: TrainingDAG, lifted: LiftedLoss, fuse_collectives: bool =
     order = {
         g: sink_receives(dag, attach_collectives(dag, order[g], g, serves), keys) for g in groups
     }
+    if fuse_passes:
+        keys = fuse_forward_backward(dag, order, keys)
     meshes = {n.devices: n.mesh for n in dag.compute_nodes()}
     zero_level = {n.devices: n.param_layout.zero_level for n in dag.compute_nodes()}
     steps = {g: to_steps(dag, order[g], keys, g) for g in groups}

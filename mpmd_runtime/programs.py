@@ -163,6 +163,8 @@ class RegionPrograms:
     none (ZeRO), returns them for the reduce-scatter.
 
       forward(params, batch, acts)                  -> (outputs, residuals)
+      forward_backward(params, batch, acts, cots[, acc]) -> (outputs, input cotangents,
+                                                            acc or grads)
       evaluate(params, batch, acts)                 -> outputs
       backward(params, residuals, cots[, acc])      -> (input cotangents, acc or grads)
       backward_input(params, residuals, cots)       -> (input cotangents, cross values)
@@ -202,6 +204,15 @@ class RegionPrograms:
         self.evaluate = spmd(self._evaluate, mesh, (rep, per, per), per)
         self.backward = {
             acc: spmd(self._backward, mesh, (rep, per, per) + ((per,) if acc else ()), (per, per))
+            for acc in (True, False)
+        }
+        self.forward_backward = {
+            acc: spmd(
+                self._forward_backward,
+                mesh,
+                (rep, per, per, per) + ((per,) if acc else ()),
+                (per, per, per),
+            )
             for acc in (True, False)
         }
         self.backward_input = spmd(self._backward_input, mesh, (rep, per, per), (per, per))
@@ -307,6 +318,18 @@ class RegionPrograms:
     def _backward(self, params: list, res: Any, cots: list, *acc: list) -> tuple:
         g_params, g_acts = self._vjp(params, res)(self._seeds(unstack(cots)))
         return stack(self._laid_out(list(g_acts))), self._gradients(g_params, acc)
+
+    def _forward_backward(
+        self, params: list, batch: list, acts: list, cots: list, *acc: list
+    ) -> tuple:
+        batch, acts = self._entering(batch, acts)
+        outs, vjp = self._linearize(params, batch, acts)
+        g_params, g_acts = vjp(self._seeds(unstack(cots)))
+        return (
+            stack(self._laid_out(outs)),
+            stack(self._laid_out(list(g_acts))),
+            self._gradients(g_params, acc),
+        )
 
     def _gradients(self, g_params: Sequence[Any], acc: tuple) -> list:
         if not acc:

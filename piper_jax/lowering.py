@@ -142,6 +142,7 @@ def lower(
     *,
     nonfinite: str = "raise",
     fuse_collectives: bool = True,
+    fuse_passes: bool | None = None,
     forward_only: bool = False,
 ) -> Lowered:
     """The DAG and per-device-group plans of a strategy, without devices or programs.
@@ -153,6 +154,10 @@ def lower(
         "ignore" leaves it out.
       fuse_collectives: run each ZeRO collective inside the program of the pass it serves
         (one step `ALL_GATHER param[F0.3] + F0.3`); False keeps them as steps of their own.
+      fuse_passes: run a region's backward in one program with its forward of the same
+        microbatch where a group runs one right after the other (one step `F0.3 + B0.3`);
+        default: on GPUs and TPUs (`jax.default_backend()`), not on XLA:CPU, where the
+        separate programs ran faster.
       forward_only: lower the forward passes only (evaluation: no backward, no update).
 
     Returns:
@@ -215,7 +220,9 @@ def lower(
     if carrier and not guard and not forward_only:
         dag = insert_updates(dag, lifted, global_norm=True)
     try:
-        plans = compile_plans(dag, lifted, fuse_collectives)
+        if fuse_passes is None:
+            fuse_passes = jax.default_backend() != "cpu"
+        plans = compile_plans(dag, lifted, fuse_collectives, fuse_passes)
     except PlanError:
         check_overlap_units(dag)  # explains the usual cause as a DirectiveError
         raise

@@ -56,6 +56,7 @@ def compile(
     *,
     nonfinite: str = "raise",
     fuse_collectives: bool = True,
+    fuse_passes: bool | None = None,
 ) -> TrainStep:
     """Compile a training step of `model` under a directive list.
 
@@ -77,6 +78,9 @@ def compile(
         "ignore": no check (and no global-norm collective unless the optimizer needs it).
       fuse_collectives: run each ZeRO collective inside the program of the pass it
         serves (default); False runs every collective as a program of its own.
+      fuse_passes: run a region's backward in one program with its forward of the same
+        microbatch where a group runs one right after the other; default: where the
+        devices are GPUs or TPUs, not on XLA:CPU (where separate programs ran faster).
 
     Returns:
       A TrainStep; call it with a global batch to run one training step.
@@ -92,6 +96,7 @@ def compile(
         len(devices),
         nonfinite=nonfinite,
         fuse_collectives=fuse_collectives,
+        fuse_passes=devices[0].platform != "cpu" if fuse_passes is None else fuse_passes,
     )
     shapes = repr([(np.shape(x), str(np.asarray(x).dtype)) for x in lowered.param_leaves])
     check_same_plans(lowered.plans.fingerprint(shapes + repr(lowered.batch.avals)), "plans")

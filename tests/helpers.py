@@ -144,15 +144,17 @@ def check_mlp_strategy(
     num_stages: int = 2,
     batches: list | None = None,
     experts: int = 0,
+    **compile_flags: Any,
 ) -> Any:
-    """Compile StageMLP(num_stages, experts=experts) under `directives`, train it on
-    `batches` (3 default ones) and assert the single-device oracle; returns the step."""
+    """Compile StageMLP(num_stages, experts=experts) under `directives` (and
+    `compile_flags`), train it on `batches` (3 default ones) and assert the single-device
+    oracle; returns the step."""
     batches = batches or mlp_batches(3)
 
     def make() -> StageMLP:
         return StageMLP(num_stages, experts=experts)
 
-    step = piper.compile(mlp_loss, make(), optimizer, batches[0], directives)
+    step = piper.compile(mlp_loss, make(), optimizer, batches[0], directives, **compile_flags)
     assert_matches_reference(step, mlp_loss, make, optimizer, batches)
     return step
 
