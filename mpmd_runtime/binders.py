@@ -72,7 +72,6 @@ class PassIO:
     store and puts its outputs: shared by every pass's piece."""
 
     def __init__(self, rt: Runtime, g: Group, label: Label):
-        self.rt, self.label = rt, label
         self.programs = programs = rt.programs(label.region, g)
         self.region = region = programs.region
         mb = label.microbatch
