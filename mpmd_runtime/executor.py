@@ -581,16 +581,12 @@ MAX_IN_FLIGHT = 16
 # does); an output that was freed or donated was read by a later step, whose outputs
 # tell when both finished. A transfer's or a reduction's are held: nothing else reads
 # some of them, and a failed one must be found and named (mpmd_runtime/watchdog.py).
-# The outputs of one program all finish together, so a fused step is witnessed by one
-# array of each output (its residuals are hundreds of arrays).
 Witness = list[Any]  # jax.Array or weakref.ref to one
 
 
 def _witness(out: Any, weak: bool) -> Witness:
-    if not weak:
-        return jax.tree.leaves(out)
-    firsts = (jax.tree.leaves(value)[:1] for value in out)
-    return [weakref.ref(x) for first in firsts for x in first]
+    leaves = jax.tree.leaves(out)
+    return [weakref.ref(x) for x in leaves] if weak else leaves
 
 
 def _alive(witness: Witness) -> list[jax.Array]:
