@@ -1,7 +1,8 @@
-"""The one place piper-jax touches JAX's jaxpr data structures.
+"""The one place piper-jax touches JAX's internals: its jaxpr data structures, and the
+array constructor the runtime's transfers use.
 
-Everything here is public in `jax.extend.core` on the supported versions; keeping it
-in one module means a JAX release that moves them breaks one file, not the compiler.
+The jaxpr parts are public in `jax.extend.core` on the supported versions; keeping every
+use in one module means a JAX release that moves them breaks one file, not the compiler.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from typing import Any
 import jax
 import jax.extend.core as jex
 from jax._src import (
+    core,  # private: the abstract value of an assembled array
     source_info_util,  # private: user frames for error messages
     xla_bridge,  # private: has the backend started?
 )
+from jax._src.array import ArrayImpl  # private: an array from device arrays, unchecked
 
 SUPPORTED_JAX_VERSIONS = ("0.10.2",)
 
@@ -105,3 +108,30 @@ def sub_jaxpr_fn(
 def backends_are_initialized() -> bool:
     """Whether JAX has started its backends (after which device counts are fixed)."""
     return xla_bridge.backends_are_initialized()
+
+
+def array_assembler(
+    shape: tuple[int, ...], sharding: jax.sharding.Sharding
+) -> Callable[[Sequence[jax.Array]], jax.Array]:
+    """A function making the global array of `shape` over `sharding` from this process's
+    single-device arrays, given in the order of the sharding's addressable devices.
+
+    Its first call is `jax.make_array_from_single_device_arrays`, which checks the
+    arrays; later calls build the array without those checks. A transfer assembles
+    arrays of the same shapes on the same devices at every step, and the checked
+    constructor cost more than a small transfer's whole program: 12 us against 4 us to
+    build, and the next program called on the checked array took some 20 us longer
+    (benchmarks/p2p.py; Note [cheap small transfers] in mpmd_runtime/transport.py)."""
+    aval = None
+
+    def assemble(arrays: Sequence[jax.Array]) -> jax.Array:
+        nonlocal aval
+        if aval is None:
+            checked = jax.make_array_from_single_device_arrays(shape, sharding, list(arrays))
+            aval = core.update_aval_with_sharding(
+                core.ShapedArray(shape, checked.dtype, weak_type=False), sharding
+            )
+            return checked
+        return ArrayImpl(aval, sharding, list(arrays), committed=True, _skip_checks=True)
+
+    return assemble

@@ -44,7 +44,7 @@ from piper_jax.mpmd_runtime.programs import (
     spmd,
     stacked,
 )
-from piper_jax.mpmd_runtime.transport import from_local_shards, make_transfer, shards_by_device
+from piper_jax.mpmd_runtime.transport import make_transfer, shard_assembler, shards_by_device
 
 if TYPE_CHECKING:
     from piper_jax.mpmd_runtime.executor import Runtime
@@ -451,15 +451,16 @@ def bind_cross_reduce(rt: Runtime, members: Sequence[Group], ins: Instruction) -
         shapes = [rt.param_shape(n) for n in rt.ctx.names(params)]
         ends = {g: _reduce_side(rt, g, params, shapes) for g in local}
     size = collectives.flat_length(shapes)
+    to_rows = shard_assembler((len(union), size), in_sharding)
+    to_full = {g: shard_assembler((size,), replicated(rt.meshes[g])) for g in local}
 
     def reduce() -> Any:
         rows = {}
         for g in local:
             rows.update(shards_by_device(ends[g][0](rt.stores[g])))
-        total = program(from_local_shards((len(union), size), in_sharding, rows))
+        total = program(to_rows(rows))
         for g in local:
-            full = from_local_shards((size,), replicated(rt.meshes[g]), shards_by_device(total))
-            rt.stores[g][out_buf] = ends[g][1](full)
+            rt.stores[g][out_buf] = ends[g][1](to_full[g](shards_by_device(total)))
         return total
 
     return reduce

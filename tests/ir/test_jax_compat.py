@@ -1,0 +1,38 @@
+"""The array assembler of the runtime's transfers: JAX's checked constructor on the first
+call, the same arrays without the checks after."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from piper_jax.ir import jax_compat
+
+
+def _sharding() -> NamedSharding:
+    return NamedSharding(Mesh(np.array(jax.devices()[:2]), ("u",)), P("u"))
+
+
+def test_assembled_arrays_equal_jax_constructor_on_every_call():
+    sharding = _sharding()
+    assemble = jax_compat.array_assembler((2, 3), sharding)
+    for step in range(3):  # the first call checks, the later ones do not
+        rows = [
+            jnp.full((1, 3), 10 * step + i, jnp.float32, device=d)
+            for i, d in enumerate(jax.devices()[:2])
+        ]
+        got = assemble(rows)
+        want = jax.make_array_from_single_device_arrays((2, 3), sharding, rows)
+        assert got.sharding == want.sharding and got.shape == want.shape
+        assert got.dtype == want.dtype and not got.weak_type
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        doubled = jax.jit(lambda x: x * 2)(got)  # a program takes it like any array
+        np.testing.assert_array_equal(np.asarray(doubled), 2 * np.asarray(want))
+
+
+def test_first_call_checks_the_arrays():
+    assemble = jax_compat.array_assembler((2, 3), _sharding())
+    wrong = [jnp.zeros((1, 4), device=d) for d in jax.devices()[:2]]
+    with pytest.raises(ValueError):
+        assemble(wrong)
