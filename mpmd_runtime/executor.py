@@ -38,9 +38,11 @@ from piper_jax.mpmd_runtime.instructions import (
     ALL_TO_ALL,
     FREE,
     GNORM,
+    RECV,
     REDUCE_SCATTER,
     RUN,
     SEND,
+    Instruction,
     Step,
 )
 from piper_jax.mpmd_runtime.plans import Plans
@@ -485,7 +487,12 @@ class Executor:
     def run_recorded(self, batch_leaves: Sequence[np.ndarray]) -> list[TimelineEvent]:
         """Run one step step by step, waiting for each to finish, and return when each
         ran (seconds from the start). For timelines and cost measurement only: it
-        serialises the devices, so the step is slower than `run`."""
+        serialises the devices, so the step is slower than `run`.
+
+        Each process records its own groups' steps. A transfer between processes runs at
+        its SEND on both sides: a process that only receives records it as its group's
+        RECV (the time its own devices spent on it), and no second RECV for the step that
+        then takes the value from the mailbox."""
         self._stage_batch(batch_leaves)
         self._compile_ahead()
         self._block_all()
@@ -494,15 +501,23 @@ class Executor:
         t0 = time.perf_counter()
         for closure, (members, index) in zip(self.steps, self.step_events):
             start = time.perf_counter() - t0
-            closure()
+            out = closure()
+            jax.block_until_ready(out)  # a transfer's witness: done on this process's side
             self._block_all()
             end = time.perf_counter() - t0
             step = self.plans.steps[members[0]][index[0]]
-            if step.head.op == FREE:
+            head = step.head
+            if head.op == FREE or (head.op == RECV and tuple(head.peer) not in self.rt.local):
                 continue
-            kind = step.head.pass_ if step.head.op == RUN else step.head.op
+            if head.op == SEND and members[0] not in self.rt.local:  # only receiving here
+                receiver = tuple(head.peer)
+                text = str(Instruction(RECV, head.value, members[0]))
+                events.append(TimelineEvent(receiver, text, RECV, head.microbatch, start, end))
+                continue
+            kind = head.pass_ if head.op == RUN else head.op
             for g in members:
-                events.append(TimelineEvent(g, str(step), kind, step.head.microbatch, start, end))
+                if g in self.rt.local:
+                    events.append(TimelineEvent(g, str(step), kind, head.microbatch, start, end))
         self.losses.clear()
         return events
 

@@ -91,14 +91,19 @@ class Lowered:
     evaluation: Callable[[], Lowered]
 
     def simulate(
-        self, costs: Mapping[str, float] | None = None, transfer_latency: float = 0.0
+        self,
+        costs: Mapping[str, float] | None = None,
+        transfer_latency: float = 0.0,
+        processes: Mapping[int, int] | None = None,
     ) -> Simulation:
-        """Run the plans on a cost model (default unit costs F=1, B=2).
+        """Run the plans on a cost model (default unit costs F=1, B=2); `processes` (the
+        process of each device index, default all in one) makes transfers between
+        processes wait for both sides, as they run.
 
         Returns a Simulation with .step_time, .bubble_fraction, .peak_activations (per
         device group, in microbatch-activation units) and .timeline.
         """
-        return simulate(self.plans, costs or {"F": 1, "B": 2}, transfer_latency)
+        return simulate(self.plans, costs or {"F": 1, "B": 2}, transfer_latency, processes)
 
     def timeline(self, path: str, costs: Mapping[str, float] | None = None) -> None:
         """Write the simulated plans as a PNG Gantt chart, or a Chrome/Perfetto trace if

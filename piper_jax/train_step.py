@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import statistics
@@ -20,7 +21,7 @@ from piper_jax.ir.errors import BatchError, DirectiveError, PiperError
 from piper_jax.lowering import Lowered, lower
 from piper_jax.mpmd_runtime import Executor
 from piper_jax.mpmd_runtime.instructions import parse_step
-from piper_jax.mpmd_runtime.simulator import Simulation, fused_key
+from piper_jax.mpmd_runtime.simulator import COMPUTE_KINDS, Simulation, TimelineEvent, fused_key
 from piper_jax.mpmd_runtime.timeline import write_timeline
 from piper_jax.mpmd_runtime.transport import check_same_plans
 from piper_jax.validation import check_batch_leaves, check_run_args
@@ -221,25 +222,45 @@ class TrainStep:
     def simulate(
         self, costs: Mapping[str, float] | None = None, transfer_latency: float = 0.0
     ) -> Simulation:
-        """Run the plans on a cost model (default unit costs F=1, B=2).
+        """Run the plans on a cost model (default unit costs F=1, B=2), with this step's
+        devices in their processes (transfers between processes wait for both sides).
 
         Returns a Simulation with .step_time, .bubble_fraction, .peak_activations (per
         device group, in microbatch-activation units) and .timeline.
         """
-        return self.lowered.simulate(costs, transfer_latency)
+        processes = {i: d.process_index for i, d in enumerate(self.devices)}
+        return self.lowered.simulate(costs, transfer_latency, processes)
 
     def measure_costs(self, batch: Any, repeats: int = 3) -> dict[str, float]:
         """Seconds per pass (and per op) for `simulate`, from `repeats` instrumented steps
-        on `batch` (each trains a step): per kind, the median over all its steps; a step
-        of several pieces under their kinds joined by "+" ("ALL_GATHER+F"), as it is only
-        timed whole.
+        on `batch` (each trains a step): per kind, the median over all its steps, and per
+        region for its passes and update ("F0", "B1", "UPD0"; regions of one model differ:
+        the stage with the loss, an embedding); a step of several pieces under their kinds
+        joined by "+" ("ALL_GATHER+F"), as it is only timed whole.
         Call it after one ordinary step, so compilation is not measured."""
         times: dict[str, list[float]] = {}
         for _ in range(repeats):
-            for e in self._executor.run_recorded(self._batch_leaves(batch)):
-                kind = fused_key(parse_step(e.label)) or e.kind  # a fused step only whole
+            for e in self._recorded_without_gc(batch):
+                step = parse_step(e.label)
+                kind = fused_key(step) or e.kind  # a fused step only whole
                 times.setdefault(kind, []).append(e.end - e.start)
-        return {k: statistics.median(v) for k, v in times.items() if k != "RECV"}
+                if kind in COMPUTE_KINDS and step.head.region is not None:
+                    times.setdefault(f"{kind}{step.head.region}", []).append(e.end - e.start)
+        return {k: statistics.median(v) for k, v in times.items()}
+
+    def _recorded_without_gc(self, batch: Any) -> list[TimelineEvent]:
+        """One instrumented step with Python's garbage collector paused: a collection
+        that the step's own allocations trigger lands on the same instruction in every
+        step, and made that instruction's median cost (a DualPipeV update measured 14 ms
+        against 1 ms)."""
+        gc.collect()
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._executor.run_recorded(self._batch_leaves(batch))
+        finally:
+            if enabled:
+                gc.enable()
 
     def timeline(
         self, path: str | os.PathLike, batch: Any = None, costs: Mapping[str, float] | None = None

@@ -16,7 +16,12 @@ import optax  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 from flax import nnx  # noqa: E402
-from helpers import assert_matches_reference, check_mlp_strategy, token_batches  # noqa: E402
+from helpers import (  # noqa: E402
+    assert_matches_reference,
+    check_mlp_strategy,
+    mlp_batches,
+    token_batches,
+)
 
 import piper_jax as piper  # noqa: E402
 from piper_jax import schedules  # noqa: E402
@@ -105,6 +110,17 @@ def check_transfer_witnesses(step: piper.TrainStep) -> None:
             assert all(n <= jax.device_count() for n in sizes), (i, sizes)
 
 
+def check_recorded_transfers(step: piper.TrainStep) -> None:
+    """An instrumented step records what this process's devices ran: a transfer as SEND
+    where this process sends and as RECV of its own group where it only receives."""
+    mine = {i for i, d in enumerate(step.devices) if d.process_index == jax.process_index()}
+    events = step._executor.run_recorded(step._batch_leaves(mlp_batches(1)[0]))
+    assert all(set(e.group) <= mine for e in events), [e.label for e in events]
+    kinds = {e.kind for e in events}
+    assert {"SEND", "RECV"} <= kinds, kinds
+    assert all(e.label.startswith("RECV") for e in events if e.kind == "RECV")
+
+
 def main() -> None:
     if sys.argv[1] == "moe_pp2_ep2_per_process":
         check_moe_pp2_ep2()
@@ -113,6 +129,8 @@ def main() -> None:
         experts = 4 if "_ep" in sys.argv[1] else 0  # the toy expert layers of StageMLP
         step = check_mlp_strategy(directives, optax.adam(1e-2), num_stages, experts=experts)
         check_transfer_witnesses(step)
+        if sys.argv[1] == "pp2_1f1b":
+            check_recorded_transfers(step)
     print(f"ORACLE OK process {jax.process_index()} of {jax.process_count()}", flush=True)
 
 

@@ -155,6 +155,7 @@ def test_measured_costs_and_timeline(tmp_path) -> None:
     step(batch)  # compile first, so the measurement sees run time only
     costs = step.measure_costs(batch)
     assert {"F", "B", "UPD"} <= set(costs) and all(v > 0 for v in costs.values())
+    assert {"F0", "F1", "B0", "B1", "UPD0", "UPD1"} <= set(costs)  # each region its own
     assert step.simulate(costs).step_time > 0
     path = tmp_path / "real.json"
     step.timeline(path, batch=batch)
@@ -194,3 +195,33 @@ def test_a_fused_cost_is_shared_out_over_its_pieces() -> None:
     assert {e.end - e.start for e in even.timeline if e.kind == "F"} == {0.5}
     with pytest.raises(piper.PiperError, match="unknown cost key 'F\\+X'"):
         simulate(plans, {**FB, "F+X": 1})
+
+
+def _overlaps(events: list) -> list:
+    events = sorted(events, key=lambda e: e.start)
+    return [(a.label, b.label) for a, b in zip(events, events[1:]) if b.start < a.end - 1e-12]
+
+
+def test_transfers_between_processes_wait_for_their_receiver() -> None:
+    """Between processes a transfer holds both groups from when both are free (Note
+    [transfers between processes meet]); within one process the sender never waits."""
+    plans = pipeline_step("one_f_one_b", 2, 4).plans
+    costs = {**FB, "SEND": 0.5}
+    one = simulate(plans, costs)
+    assert simulate(plans, costs, processes={0: 0, 1: 0}).timeline == one.timeline
+    two = simulate(plans, costs, processes={0: 0, 1: 1})
+    assert two.step_time > one.step_time
+    for g in ((0,), (1,)):  # a group runs one thing at a time, the meetings included
+        assert not _overlaps([e for e in two.timeline if e.group == g])
+
+    def free_at(group: tuple, t: float) -> float:
+        return max((e.end for e in two.timeline if e.group == group and e.end <= t), default=0)
+
+    sends = [e for e in two.timeline if e.kind == "SEND"]
+    recvs = {(e.label.split()[1], e.start, e.end) for e in two.timeline if e.kind == "RECV"}
+    assert len(sends) == 2 * 4
+    for send in sends:  # each SEND and its RECV: one meeting, once both groups are free
+        assert (send.label.split()[1], send.start, send.end) in recvs
+        receiver = (1,) if send.group == (0,) else (0,)
+        both_free = max(free_at(send.group, send.start), free_at(receiver, send.start))
+        assert send.start == pytest.approx(both_free)
