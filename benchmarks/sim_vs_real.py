@@ -39,6 +39,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--m", type=int, default=8, help="microbatches")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--show-costs", action="store_true", help="print the measured costs")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for all ranks")
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -121,8 +122,8 @@ def run(args: argparse.Namespace) -> None:
         )
         step(batch)  # compile everything before measuring
         costs = merged_costs(step.measure_costs(batch))
-        if os.environ.get("SIMDEBUG"):
-            print(name, {k: round(v * 1e3, 2) for k, v in costs.items()}, flush=True)
+        if args.show_costs and jax.process_index() == 0:
+            print(name, {k: round(v * 1e3, 2) for k, v in costs.items()}, "(ms)", flush=True)
         predicted = step.simulate(costs).step_time
         unmet = step.lowered.simulate(costs).step_time  # as if transfers never waited
         times = []
