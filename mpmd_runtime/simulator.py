@@ -263,8 +263,12 @@ def simulate(
 
 
 def _meeting_transfers(plans: Plans, processes: Mapping[int, int]) -> set[tuple[Group, int]]:
-    """The SEND steps (group, index) whose two groups' devices lie in several processes."""
-    meeting = set()
+    """The SEND steps (group, index) whose two groups' devices lie in several processes
+    (a device not in `processes` is in process 0; none, without a walk over the plans,
+    when every device is)."""
+    meeting: set[tuple[Group, int]] = set()
+    if not any(processes.values()):
+        return meeting
     for g, steps in plans.steps.items():
         for i, step in enumerate(steps):
             head = step.head
