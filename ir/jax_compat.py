@@ -84,6 +84,30 @@ def is_var(atom: Any) -> bool:
     return isinstance(atom, Var)
 
 
+def called_jaxprs(eqn: JaxprEqn) -> list[tuple[Any, list[Any]]]:
+    """The jaxprs in `eqn`'s parameters, each as (jaxpr, its constants)."""
+    out = []
+    for value in eqn.params.values():
+        for v in value if isinstance(value, tuple) else (value,):
+            if isinstance(v, ClosedJaxpr):
+                out.append((v.jaxpr, list(v.consts)))
+            elif isinstance(v, jex.Jaxpr):
+                out.append((v, []))
+    return out
+
+
+def atom_shape(atom: Any) -> tuple[int, ...]:
+    return tuple(atom.aval.shape)
+
+
+def atom_dtype(atom: Any) -> Any:
+    return atom.aval.dtype
+
+
+def literal_value(atom: Any) -> Any:
+    return atom.val
+
+
 def sub_jaxpr_fn(
     constvars: Sequence[Var],
     consts: Sequence[Any],

@@ -7,7 +7,9 @@ That equals one update of all parameters for optimizers that treat every element
 (sgd, adam, adamw, schedules, masks and labels by path ...). Optimizers that also read the
 *global gradient norm* (`optax.clip_by_global_norm`) get it through the norm carrier of
 mpmd_runtime/global_norm.py. Anything else would train differently in silence, so it is
-refused. Both are checked on small proxies with the real tree structure.
+refused. Both are checked on small proxies with the real tree structure, unless the
+optimizer's traces already prove it per-element (Note [per-element updates, proven from
+the trace] in piper_jax/optimizer_trace.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import optax
 
 from piper_jax.ir.errors import PiperError
 from piper_jax.mpmd_runtime.global_norm import CARRIER
+from piper_jax.optimizer_trace import updates_are_per_element
 from piper_jax.param_tree import ParamTree
 
 
@@ -157,11 +160,11 @@ def plan_optimizer(
     """
     if len(groups) <= 1 and not sharded:
         return False
+    shapes = {n: _proxy_shape(np.shape(p)) for n, p in params.items()}
+    if updates_are_per_element(optimizer, tree, shapes, groups, sharded):
+        return False
     rng = np.random.default_rng(0)
-    proxy = {
-        n: rng.normal(size=_proxy_shape(np.shape(p))).astype(np.float32) * 10
-        for n, p in params.items()
-    }
+    proxy = {n: rng.normal(size=s).astype(np.float32) * 10 for n, s in shapes.items()}
     # gradient scales far below and far above any clipping threshold a user would set, so
     # a norm-dependent transform shows its coupling at one of them: one instance each
     scales = np.array([1e-6, 1.0, 1e6], np.float32)
