@@ -6,22 +6,32 @@ the optimizer check, the plan compiler, setting up the executor (parameters, opt
 state, binding the steps) and the first step (XLA compiles every program while it
 runs); then the time of a second step, which compiles nothing when every program's
 inputs lie as the first step left them. The totals are timed without the profiler, the
-breakdown comes from a second, profiled build (profiling slows the Python phases). One
-run per system and strategy on 4 virtual CPU devices, about a minute.
+breakdown comes from a second, profiled build (profiling slows the Python parts).
 
-Run: .venv/bin/python benchmarks/compile_time.py
+Every measurement runs in a process of its own (JAX caches traces and programs within a
+process, so a system built second would reuse what the first compiled), on 4 virtual CPU
+devices, pjit and piper-jax taking turns first; over `--rounds` rounds the ratio is the
+median of each round's piper / pjit, with its range. About 20 s per round.
+
+Run: .venv/bin/python benchmarks/compile_time.py [--rounds 3]
 """
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import functools
+import json
 import os
 import pstats
+import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 
+STRATEGIES = {"DP": ({}, "dp"), "ZeRO-3": ({"shard_params": True}, "fsdp")}
+SYSTEMS = ("pjit", "piper")
 PHASES = {  # phase -> (file suffix, function) whose cumulative time it is
     "lift": ("ir/lift.py", "lift"),
     "directives": ("directives/apply.py", "apply_directives"),
@@ -52,7 +62,8 @@ def first_two_steps(build: Callable[[], Callable], batch: dict) -> tuple[float, 
     return t1 - t0, time.perf_counter() - t1
 
 
-def main() -> int:
+def measure(system: str, strategy: str) -> dict:
+    """One system's build + first step and second step (and piper-jax's phases)."""
     import jax
 
     jax.config.update("jax_platforms", "cpu")
@@ -71,27 +82,64 @@ def main() -> int:
     config = GPTConfig(seq_len=128, d_model=128, n_heads=4, n_layers=4, num_stages=1)
     batch = next(batches(encode(load_corpus(200_000)), 32, 128, 0))
     optimizer = optax.adamw(1e-3, weight_decay=0.01)
-    print(f"{'strategy':<8}{'system':<7}{'total s':>9}{'2nd step s':>11}  breakdown (s)")
-    for name, flags, strategy in (("DP", {}, "dp"), ("ZeRO-3", {"shard_params": True}, "fsdp")):
-        model = GPT(config, rngs=nnx.Rngs(0))
-        build = functools.partial(pjit_step, loss_fn, model, optimizer, batch, strategy=strategy)
-        base, base_second = first_two_steps(build, batch)
-        print(f"{name:<8}{'pjit':<7}{base:>9.2f}{base_second:>11.2f}")
-        directives = [piper.replicate({"PP": "*"}, [0, 1, 2, 3], **flags)]
-        model = GPT(config, rngs=nnx.Rngs(0))
-        build = functools.partial(piper.compile, loss_fn, model, optimizer, batch, directives)
+    flags, pjit_strategy = STRATEGIES[strategy]
+    model = GPT(config, rngs=nnx.Rngs(0))  # starts the backend and compiles the init
+    if system == "pjit":
+        build = functools.partial(
+            pjit_step, loss_fn, model, optimizer, batch, strategy=pjit_strategy
+        )
         total, second = first_two_steps(build, batch)
-        # the breakdown from a second, profiled build (profiling slows the Python parts)
-        profile = cProfile.Profile()
-        profile.enable()
-        step = piper.compile(loss_fn, GPT(config, rngs=nnx.Rngs(0)), optimizer, batch, directives)
-        t1 = time.perf_counter()
-        step(batch)
-        profile.disable()
-        parts = phases(profile) | {"first step": time.perf_counter() - t1}
-        text = ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
+        return {"total": total, "second": second}
+    directives = [piper.replicate({"PP": "*"}, [0, 1, 2, 3], **flags)]
+    build = functools.partial(piper.compile, loss_fn, model, optimizer, batch, directives)
+    total, second = first_two_steps(build, batch)
+    # the breakdown from a second, profiled build (profiling slows the Python parts)
+    profile = cProfile.Profile()
+    profile.enable()
+    step = piper.compile(loss_fn, GPT(config, rngs=nnx.Rngs(0)), optimizer, batch, directives)
+    t1 = time.perf_counter()
+    step(batch)
+    profile.disable()
+    parts = phases(profile) | {"first step": time.perf_counter() - t1}
+    return {"total": total, "second": second, "phases": parts}
+
+
+def in_own_process(system: str, strategy: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", system, strategy]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--one", nargs=2, metavar=("SYSTEM", "STRATEGY"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(measure(*args.one)))
+        return 0
+    print(f"load average before: {os.getloadavg()[0]:.2f}")
+    print(
+        f"{'round':<6}{'strategy':<9}{'system':<7}{'total s':>9}{'2nd step s':>11}  breakdown (s)"
+    )
+    ratios: dict[str, list[float]] = {s: [] for s in STRATEGIES}
+    for r in range(args.rounds):
+        for strategy in STRATEGIES:
+            order = SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]
+            got = {system: in_own_process(system, strategy) for system in order}
+            ratios[strategy].append(got["piper"]["total"] / got["pjit"]["total"])
+            for system in SYSTEMS:
+                m = got[system]
+                text = ", ".join(f"{k} {v:.2f}" for k, v in m.get("phases", {}).items())
+                print(
+                    f"{r:<6}{strategy:<9}{system:<7}{m['total']:>9.2f}{m['second']:>11.2f}  {text}"
+                )
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+    for strategy, values in ratios.items():
         print(
-            f"{'':<8}{'piper':<7}{total:>9.2f}{second:>11.2f}  {text}  ({total / base:.2f}x pjit)"
+            f"{strategy}: piper-jax / pjit, build + first step: median "
+            f"{statistics.median(values):.2f}x (range {min(values):.2f}-{max(values):.2f}x, "
+            f"{len(values)} rounds)"
         )
     return 0
 
