@@ -521,6 +521,40 @@ class Executor:
         self.losses.clear()
         return events
 
+    def host_costs(self, batch_leaves: Sequence[np.ndarray]) -> tuple[float, float]:
+        """From one real step (which trains): the host's CPU seconds to issue a step that
+        launches work (the median over this process's), and its seconds per step outside
+        the plans: staging the batch before them and sharing the loss after (Note [the
+        host issues the steps] in mpmd_runtime/simulator.py)."""
+        issue_cpu: list[float] = []
+        first_issue: list[float] = []
+
+        def timed(closure: Closure) -> Closure:
+            def run() -> Any:
+                if not first_issue:
+                    first_issue.append(time.perf_counter())
+                cpu = time.thread_time()
+                out = closure()
+                if out is not None:
+                    issue_cpu.append(time.thread_time() - cpu)
+                return out
+
+            return run
+
+        steps, self.steps = self.steps, [timed(c) for c in self.steps]
+        try:
+            t0 = time.perf_counter()
+            self.run(batch_leaves)
+            self.wait()
+            self._block_all()
+            t1 = time.perf_counter()
+            self.metrics()
+            t2 = time.perf_counter()
+        finally:
+            self.steps = steps
+        staging = (first_issue[0] if first_issue else t1) - t0
+        return float(np.median(issue_cpu)) if issue_cpu else 0.0, staging + t2 - t1
+
     def _block_all(self) -> None:
         values = [list(store.values()) for store in self.rt.stores.values()]
         jax.block_until_ready((values, list(self.rt.mailbox.values())))

@@ -12,6 +12,10 @@ different sizes (an embedding stage, a head stage) can cost differently. A fused
 may be costed whole by the kinds of its pieces joined with "+" ("ALL_GATHER+F", "F+B"
 for an overlap unit): `TrainStep.measure_costs` times such a step only whole, and one
 program of several pieces need not cost the sum of their own costs.
+
+Two keys cost the host rather than the devices (Note [the host issues the steps]):
+"DISPATCH", the host's time to issue one step that launches work, and "STEP", its time
+per training step outside the plans (staging the batch, sharing the loss).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import dataclasses
 import math
 import re
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from piper_jax.ir.errors import PiperError
 from piper_jax.ir.layout import group_str
@@ -32,6 +36,7 @@ Group = tuple[int, ...]
 
 PASS_KEYS = ("F", "B", "BI", "BW")
 OP_KEYS = ("UPD", "SEND", "RECV", "ALL_REDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
+HOST_KEYS = ("DISPATCH", "STEP")
 COMPUTE_KINDS = frozenset({*PASS_KEYS, UPD})
 _REGION_KEY = re.compile(r"^(F|B|BI|BW|UPD)(\d+)$")
 
@@ -66,8 +71,9 @@ class Simulation:
     """The result of `simulate`.
 
     Attributes:
-      step_time: the makespan: when the last instruction of any group ends.
-      bubble_fraction: mean over device groups of the time in [0, step_time] the group
+      step_time: the makespan (when the last instruction of any group ends) plus the
+        host's own time per step ("STEP").
+      bubble_fraction: mean over device groups of the time in [0, makespan] the group
         runs no compute (F, B, BI, BW, UPD), divided by step_time. Communication does
         not count as busy: exposed communication is bubble.
       idle: per device group, that idle time (the DESIGN table's "bubble (time)").
@@ -104,16 +110,19 @@ def resolve_costs(costs: Mapping[str, float]) -> dict[str, float]:
     """The cost of each pass and op; B, BI and BW filled in from one another.
 
     B defaults to BI + BW when both are given; a missing BI or BW is B minus the other
-    when that is given, else B / 2. Ops without a cost take 0. F (and B or BI + BW)
+    when that is given, else B / 2. Ops and host keys without a cost take 0. F (and B
+    or BI + BW)
     are only required when the plans run them. Per-region keys ("B3") are filled in the
     same way among themselves.
     """
     for key, value in costs.items():
-        if key not in PASS_KEYS + OP_KEYS and not _REGION_KEY.match(key) and not _fused(key):
+        known = PASS_KEYS + OP_KEYS + HOST_KEYS
+        if key not in known and not _REGION_KEY.match(key) and not _fused(key):
             raise CostError(
-                f"unknown cost key {key!r}; use the passes {', '.join(PASS_KEYS)} "
-                f"or the ops {', '.join(OP_KEYS)}, a pass or UPD with a region index "
-                "(F0, B3, UPD1), or a fused step's kinds joined by '+' (F+B)"
+                f"unknown cost key {key!r}; use the passes {', '.join(PASS_KEYS)}, "
+                f"the ops {', '.join(OP_KEYS)} or the host's {', '.join(HOST_KEYS)}, a "
+                "pass or UPD with a region index (F0, B3, UPD1), or a fused step's kinds "
+                "joined by '+' (F+B)"
             )
         if (
             isinstance(value, bool)
@@ -126,7 +135,7 @@ def resolve_costs(costs: Mapping[str, float]) -> dict[str, float]:
     regions = {m.group(2) for m in map(_REGION_KEY.match, costs) if m}
     for suffix in ("", *sorted(regions, key=int)):
         _fill_backward(out, costs, suffix)
-    for key in OP_KEYS:
+    for key in OP_KEYS + HOST_KEYS:
         out.setdefault(key, 0.0)
     return out
 
@@ -194,6 +203,7 @@ def simulate(
     costs: Mapping[str, float],
     transfer_latency: float = 0.0,
     processes: Mapping[int, int] | None = None,
+    host_shares_core: bool = False,
 ) -> Simulation:
     """Replay `plans` with a cost per instruction (see Note [replay semantics]).
 
@@ -201,11 +211,14 @@ def simulate(
       plans: the compiled plans.
       costs: time per pass {"F", "B", "BI", "BW"} and, optionally, per op {"UPD",
         "SEND", "RECV", "ALL_REDUCE", ...}; ops default to 0. A pass or UPD may also
-        be given per region ("F0", "B3", "UPD1"), which takes precedence.
+        be given per region ("F0", "B3", "UPD1"), which takes precedence. "DISPATCH"
+        and "STEP" cost the host (Note [the host issues the steps]).
       transfer_latency: added between the end of a SEND and the start of its RECV.
       processes: the process of each device (by index); transfers between processes
         then meet as the runtime runs them (Note [transfers between processes meet]).
         Default: every device in one process.
+      host_shares_core: each process's host issues its steps on the cores its devices
+        compute on (CPU devices), so issuing a step holds up the work already queued.
 
     Returns:
       A Simulation: step time, bubble fraction, idle time and peak activations per
@@ -223,8 +236,11 @@ def simulate(
         return sum(c for _, c in _piece_costs(table, step))
 
     meeting = _meeting_transfers(plans, processes or {})
-    if meeting:
-        starts, spans = _meet_in_issue_order(plans, step_cost, transfer_latency, meeting)
+    hosts = None
+    if table["DISPATCH"] > 0:
+        hosts = _Hosts(plans, processes or {}, table["DISPATCH"], host_shares_core)
+    if meeting or hosts:
+        starts, spans = _walk_issue_order(plans, step_cost, transfer_latency, meeting, hosts)
     else:
         starts, spans = replay(plans.steps, step_cost, transfer_latency).start, {}
     timeline = []
@@ -240,13 +256,14 @@ def simulate(
                 t0 = t1
     timeline.sort(key=lambda e: (e.start, e.group, e.end))
     groups = sorted(plans.steps)
-    step_time = max((e.end for e in timeline), default=0.0)
-    idle = {g: step_time for g in groups}
+    makespan = max((e.end for e in timeline), default=0.0)
+    idle = {g: makespan for g in groups}
     for e in timeline:
         if e.kind in COMPUTE_KINDS:
             idle[e.group] -= e.end - e.start
-    bubble = sum(idle.values()) / (len(groups) * step_time) if step_time > 0 else 0.0
-    return Simulation(step_time, bubble, idle, peak_activations(timeline, groups), timeline)
+    bubble = sum(idle.values()) / (len(groups) * makespan) if makespan > 0 else 0.0
+    peaks = peak_activations(timeline, groups)
+    return Simulation(makespan + table["STEP"], bubble, idle, peaks, timeline)
 
 
 # Note [transfers between processes meet]
@@ -279,16 +296,69 @@ def _meeting_transfers(plans: Plans, processes: Mapping[int, int]) -> set[tuple[
     return meeting
 
 
-def _meet_in_issue_order(
+# Note [the host issues the steps]
+# Each process's host issues its steps one by one in the global issue order, and XLA
+# runs them asynchronously, so the host runs ahead of its devices: it issues a whole step
+# of a one-device process in a burst at its start (measured: 69 steps of a 2-stage 1F1B
+# in 1.6-3 ms, some 30-45 us each), stalling only where a call blocks. A step cannot
+# start before its host has issued it ("DISPATCH" each; FREE and a RECV that takes a
+# value from the mailbox cost nothing). A transfer between processes whose receiving
+# devices have nothing queued when the receiver's host reaches it runs on that host's
+# own thread (XLA:CPU runs a program whose inputs are ready at once), so that host waits
+# for it to end. Where the host shares its devices' cores (`host_shares_core`, CPU
+# devices), issuing a step while work is queued holds that work up by the same time; so
+# a burst at the start of a step delays the first programs, which the costs timed one at
+# a time cannot show (2-process runs of benchmarks/sim_vs_real.py: the real pipelines
+# ran 1.6-3.5 ms behind the simulated ones from their first forwards on, the issue
+# burst). "STEP" is the host's work outside the plans (staging the batch before them,
+# sharing the loss after), added to the step time.
+
+
+class _Hosts:
+    """When each process's host has issued its steps so far (Note [the host issues the
+    steps])."""
+
+    def __init__(
+        self, plans: Plans, processes: Mapping[int, int], dispatch: float, shares_core: bool
+    ):
+        self.dispatch, self.shares_core = dispatch, shares_core
+        self.processes = {g: sorted({processes.get(d, 0) for d in g}) for g in plans.steps}
+        self.groups: dict[int, list[Group]] = defaultdict(list)
+        for g, ps in self.processes.items():
+            for p in ps:
+                self.groups[p].append(g)
+        self.at: dict[int, float] = defaultdict(float)
+
+    def issue(self, groups: Sequence[Group], free_at: dict[Group, float]) -> float:
+        """Every process of `groups` issues one step: when the last has issued it."""
+        issued = 0.0
+        for p in sorted({p for g in groups for p in self.processes[g]}):
+            if self.shares_core:
+                for g in self.groups[p]:
+                    if free_at[g] > self.at[p]:
+                        free_at[g] += self.dispatch
+            self.at[p] += self.dispatch
+            issued = max(issued, self.at[p])
+        return issued
+
+    def wait(self, group: Group, until: float) -> None:
+        """The processes of `group` block in a call until `until`."""
+        for p in self.processes[group]:
+            self.at[p] = max(self.at[p], until)
+
+
+def _walk_issue_order(
     plans: Plans,
     step_cost: Callable[[Group, Step], float],
     transfer_latency: float,
     meeting: set[tuple[Group, int]],
+    hosts: _Hosts | None,
 ) -> tuple[dict[Group, list[float]], dict[tuple[Group, int], tuple[float, float]]]:
     """Start of every step, walking the plans' global issue order (a valid order: every
     step after what it waits for), with the `meeting` transfers as Note [transfers
-    between processes meet] says; and the start and length of each meeting on its
-    receiving group, by that group's RECV step."""
+    between processes meet] says and the hosts as Note [the host issues the steps] says;
+    and the start and length of each meeting on its receiving group, by that group's
+    RECV step."""
     free_at = {g: 0.0 for g in plans.steps}
     start: dict[Group, list[float]] = {g: [0.0] * len(s) for g, s in plans.steps.items()}
     arrives: dict[tuple[str, Group, Group], list[float]] = defaultdict(list)
@@ -302,7 +372,13 @@ def _meet_in_issue_order(
         cost = step_cost(g, step)
         if (g, i) in meeting:
             receiver = tuple(head.peer)
-            t0 = max(free_at[g], free_at[receiver])
+            issued, on_host = 0.0, False
+            if hosts:
+                on_host = free_at[receiver] <= hosts.at[hosts.processes[receiver][0]]
+                issued = hosts.issue((g, receiver), free_at)
+            t0 = max(free_at[g], free_at[receiver], issued)
+            if on_host:
+                hosts.wait(receiver, t0 + cost)
             free_at[receiver] = t0 + cost
             arrives[(head.value, g, receiver)].append(t0 + cost)
             met[(head.value, g, receiver)].append((t0, cost))
@@ -316,7 +392,8 @@ def _meet_in_issue_order(
             else:
                 t0 = max(free_at[g], arrives[key][k])
         else:
-            t0 = max(free_at[m] for m in members)
+            issued = hosts.issue(members, free_at) if hosts and head.op != FREE else 0.0
+            t0 = max(issued, *(free_at[m] for m in members))
         for m, j in zip(members, index):
             start[m][j] = t0
             free_at[m] = t0 + cost

@@ -95,15 +95,18 @@ class Lowered:
         costs: Mapping[str, float] | None = None,
         transfer_latency: float = 0.0,
         processes: Mapping[int, int] | None = None,
+        host_shares_core: bool = False,
     ) -> Simulation:
         """Run the plans on a cost model (default unit costs F=1, B=2); `processes` (the
         process of each device index, default all in one) makes transfers between
-        processes wait for both sides, as they run.
+        processes wait for both sides, as they run; `host_shares_core`: each process's
+        host issues its steps on its devices' cores (CPU devices; see simulator.simulate).
 
         Returns a Simulation with .step_time, .bubble_fraction, .peak_activations (per
         device group, in microbatch-activation units) and .timeline.
         """
-        return simulate(self.plans, costs or {"F": 1, "B": 2}, transfer_latency, processes)
+        costs = costs or {"F": 1, "B": 2}
+        return simulate(self.plans, costs, transfer_latency, processes, host_shares_core)
 
     def timeline(self, path: str, costs: Mapping[str, float] | None = None) -> None:
         """Write the simulated plans as a PNG Gantt chart, or a Chrome/Perfetto trace if

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import gc
 import math
 import os
@@ -21,7 +22,7 @@ from piper_jax.ir.errors import BatchError, DirectiveError, PiperError
 from piper_jax.lowering import Lowered, lower
 from piper_jax.mpmd_runtime import Executor
 from piper_jax.mpmd_runtime.instructions import parse_step
-from piper_jax.mpmd_runtime.simulator import COMPUTE_KINDS, Simulation, TimelineEvent, fused_key
+from piper_jax.mpmd_runtime.simulator import COMPUTE_KINDS, Simulation, fused_key
 from piper_jax.mpmd_runtime.timeline import write_timeline
 from piper_jax.mpmd_runtime.transport import check_same_plans
 from piper_jax.validation import check_batch_leaves, check_run_args
@@ -223,41 +224,51 @@ class TrainStep:
         self, costs: Mapping[str, float] | None = None, transfer_latency: float = 0.0
     ) -> Simulation:
         """Run the plans on a cost model (default unit costs F=1, B=2), with this step's
-        devices in their processes (transfers between processes wait for both sides).
+        devices in their processes (transfers between processes wait for both sides) and,
+        where each process holds one CPU device, its host issuing the steps on the core
+        that device computes on.
 
         Returns a Simulation with .step_time, .bubble_fraction, .peak_activations (per
         device group, in microbatch-activation units) and .timeline.
         """
         processes = {i: d.process_index for i, d in enumerate(self.devices)}
-        return self.lowered.simulate(costs, transfer_latency, processes)
+        per_process = collections.Counter(processes.values())
+        one_core = self.devices[0].platform == "cpu" and set(per_process.values()) == {1}
+        return self.lowered.simulate(costs, transfer_latency, processes, one_core)
 
     def measure_costs(self, batch: Any, repeats: int = 3) -> dict[str, float]:
         """Seconds per pass (and per op) for `simulate`, from `repeats` instrumented steps
         on `batch` (each trains a step): per kind, the median over all its steps, and per
         region for its passes and update ("F0", "B1", "UPD0"; regions of one model differ:
         the stage with the loss, an embedding); a step of several pieces under their kinds
-        joined by "+" ("ALL_GATHER+F"), as it is only timed whole.
+        joined by "+" ("ALL_GATHER+F"), as it is only timed whole. Then, from one more
+        real step, the host's: "DISPATCH", its time to issue a step (taken off each
+        timed step, which paid it too), and "STEP", its time per step outside the plans.
         Call it after one ordinary step, so compilation is not measured."""
         times: dict[str, list[float]] = {}
+        leaves = self._batch_leaves(batch)
         for _ in range(repeats):
-            for e in self._recorded_without_gc(batch):
+            for e in self._without_gc(self._executor.run_recorded, leaves):
                 step = parse_step(e.label)
                 kind = fused_key(step) or e.kind  # a fused step only whole
                 times.setdefault(kind, []).append(e.end - e.start)
                 if kind in COMPUTE_KINDS and step.head.region is not None:
                     times.setdefault(f"{kind}{step.head.region}", []).append(e.end - e.start)
-        return {k: statistics.median(v) for k, v in times.items()}
+        dispatch, per_step = self._without_gc(self._executor.host_costs, leaves)
+        costs = {k: max(0.0, statistics.median(v) - dispatch) for k, v in times.items()}
+        return costs | {"DISPATCH": dispatch, "STEP": per_step}
 
-    def _recorded_without_gc(self, batch: Any) -> list[TimelineEvent]:
-        """One instrumented step with Python's garbage collector paused: a collection
-        that the step's own allocations trigger lands on the same instruction in every
-        step, and made that instruction's median cost (a DualPipeV update measured 14 ms
-        against 1 ms)."""
+    @staticmethod
+    def _without_gc(run: Callable[[Any], Any], leaves: Any) -> Any:
+        """`run(leaves)`, an instrumented step, with Python's garbage collector paused:
+        a collection that the step's own allocations trigger lands on the same
+        instruction in every step, and made that instruction's median cost (a DualPipeV
+        update measured 14 ms against 1 ms)."""
         gc.collect()
         enabled = gc.isenabled()
         gc.disable()
         try:
-            return self._executor.run_recorded(self._batch_leaves(batch))
+            return run(leaves)
         finally:
             if enabled:
                 gc.enable()

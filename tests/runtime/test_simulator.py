@@ -154,8 +154,10 @@ def test_measured_costs_and_timeline(tmp_path) -> None:
     batch = mlp_batches(1)[0]
     step(batch)  # compile first, so the measurement sees run time only
     costs = step.measure_costs(batch)
-    assert {"F", "B", "UPD"} <= set(costs) and all(v > 0 for v in costs.values())
+    assert {"F", "B", "UPD"} <= set(costs) and all(v >= 0 for v in costs.values())
+    assert costs["F"] > 0 and costs["B"] > 0
     assert {"F0", "F1", "B0", "B1", "UPD0", "UPD1"} <= set(costs)  # each region its own
+    assert costs["DISPATCH"] > 0 and costs["STEP"] > 0  # the host's, from a real step
     assert step.simulate(costs).step_time > 0
     path = tmp_path / "real.json"
     step.timeline(path, batch=batch)
@@ -225,3 +227,44 @@ def test_transfers_between_processes_wait_for_their_receiver() -> None:
         receiver = (1,) if send.group == (0,) else (0,)
         both_free = max(free_at(send.group, send.start), free_at(receiver, send.start))
         assert send.start == pytest.approx(both_free)
+
+
+def _issued(plans, g: tuple) -> int:
+    """Steps of group g its host issues: all but FREE and taking a value from the mailbox."""
+    return sum(1 for step in plans.steps[g] if step.head.op not in ("FREE", "RECV"))
+
+
+def test_a_step_starts_once_its_host_has_issued_it() -> None:
+    """Note [the host issues the steps]: each step waits for its issue; where the host
+    shares its device's core, issuing while work is queued holds that work up; STEP is
+    the host's own time per step."""
+    plans = pipeline_step("one_f_one_b", 1, 4).plans
+    base = simulate(plans, FB, processes={0: 0}).step_time
+    host = {**FB, "DISPATCH": 0.01, "STEP": 0.5}
+    apart = simulate(plans, host, processes={0: 0})  # a host of its own: only the first waits
+    assert apart.step_time == pytest.approx(base + 0.01 + 0.5)
+    shared = simulate(plans, host, processes={0: 0}, host_shares_core=True)
+    # the first issue finds the device idle; every later one lands while work is queued
+    assert shared.step_time == pytest.approx(base + _issued(plans, (0,)) * 0.01 + 0.5)
+    assert shared.bubble_fraction == pytest.approx(
+        (shared.step_time - 0.5 - 12) / (shared.step_time - 0.5)
+    )
+
+
+def test_a_receiving_host_runs_a_transfer_its_devices_are_idle_for() -> None:
+    """A transfer whose receiving devices have nothing queued runs on the receiver's host
+    thread, so that host issues nothing more until it ends (Note [the host issues the
+    steps]): stage 1's first forward, issued after both activations are received (GPipe's
+    issue order), starts one issue after the second arrives."""
+    plans = pipeline_step("gpipe", 2, 2).plans
+    costs = {**FB, "SEND": 0.5}
+    processes = {0: 0, 1: 1}
+
+    def first(timeline: list, label: str) -> object:
+        return next(e for e in timeline if e.label == label)
+
+    without = simulate(plans, costs, processes=processes).timeline
+    assert first(without, "F1.0").start == first(without, "SEND F0.1 -> d1").end
+    hosts = simulate(plans, {**costs, "DISPATCH": 0.01}, processes=processes).timeline
+    arrived = first(hosts, "SEND F0.1 -> d1").end
+    assert first(hosts, "F1.0").start == pytest.approx(arrived + 0.01)
