@@ -74,8 +74,8 @@ class Simulation:
       step_time: the makespan (when the last instruction of any group ends) plus the
         host's own time per step ("STEP").
       bubble_fraction: mean over device groups of the time in [0, makespan] the group
-        runs no compute (F, B, BI, BW, UPD), divided by step_time. Communication does
-        not count as busy: exposed communication is bubble.
+        runs no compute (F, B, BI, BW, UPD), divided by the makespan. Communication
+        does not count as busy: exposed communication is bubble.
       idle: per device group, that idle time (the DESIGN table's "bubble (time)").
       peak_activations: per device group, the most (region, microbatch) forward
         activations alive at once; one is alive from the start of its F to the end of
@@ -111,9 +111,8 @@ def resolve_costs(costs: Mapping[str, float]) -> dict[str, float]:
 
     B defaults to BI + BW when both are given; a missing BI or BW is B minus the other
     when that is given, else B / 2. Ops and host keys without a cost take 0. F (and B
-    or BI + BW)
-    are only required when the plans run them. Per-region keys ("B3") are filled in the
-    same way among themselves.
+    or BI + BW) are only required when the plans run them. Per-region keys ("B3") are
+    filled in the same way among themselves.
     """
     for key, value in costs.items():
         known = PASS_KEYS + OP_KEYS + HOST_KEYS
