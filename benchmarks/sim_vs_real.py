@@ -130,28 +130,28 @@ def run(args: argparse.Namespace) -> None:
         predicted = step.simulate(costs).step_time
         # the plans alone: no host, transfers as if they never waited for the receiver
         plans_only = {k: v for k, v in costs.items() if k not in HOST_KEYS}
-        unmet = step.lowered.simulate(plans_only).step_time
+        from_plans = step.lowered.simulate(plans_only).step_time
         times = []
         for _ in range(args.steps):
             start = time.perf_counter()
             step(batch)  # returns host floats: the step has finished
             times.append(time.perf_counter() - start)
-        rows.append((name, predicted, unmet, slowest(statistics.median(times))))
+        rows.append((name, predicted, from_plans, slowest(statistics.median(times))))
     if jax.process_index() != 0:
         return
     where = "2 processes, one core each" if args.rank else "1 process, 2 virtual devices"
     print(f"{where}; width {args.width}, batch {args.batch_size}, m={args.m}")
     print(f"{'schedule':<16}{'predicted ms':>14}{'measured ms':>13}{'error':>8}{'plans only':>12}")
-    errors, unmet_errors = [], []
-    for name, predicted, unmet, measured in rows:
+    errors, plans_errors = [], []
+    for name, predicted, from_plans, measured in rows:
         errors.append((predicted - measured) / measured)
-        unmet_errors.append((unmet - measured) / measured)
+        plans_errors.append((from_plans - measured) / measured)
         print(
             f"{name:<16}{predicted * 1e3:>14.1f}{measured * 1e3:>13.1f}"
-            f"{errors[-1]:>+8.1%}{unmet_errors[-1]:>+12.1%}"
+            f"{errors[-1]:>+8.1%}{plans_errors[-1]:>+12.1%}"
         )
     print(f"median absolute error {statistics.median(abs(e) for e in errors):.1%}", end="")
-    print(f" ({statistics.median(abs(e) for e in unmet_errors):.1%} from the plans only)")
+    print(f" ({statistics.median(abs(e) for e in plans_errors):.1%} from the plans only)")
 
 
 def main(argv: list[str] | None = None) -> int:
