@@ -60,10 +60,14 @@ def launch(argv: list[str], timeout: float) -> int:
 
 
 def merged_costs(costs: dict[str, float]) -> dict[str, float]:
-    """Every process's costs: a key measured by several processes gets their mean."""
+    """Every process's costs: a key measured by several processes gets their mean, but a
+    transfer or collective their least: each process timed it from when it got there,
+    and the one that got there first also timed its wait for the others, which the
+    simulator adds by itself (Note [transfers between processes meet])."""
     import jax
     import numpy as np
     from jax.experimental import multihost_utils
+    from piper_jax.mpmd_runtime.simulator import OP_KEYS
 
     if jax.process_count() == 1:
         return costs
@@ -72,7 +76,8 @@ def merged_costs(costs: dict[str, float]) -> dict[str, float]:
     mine = np.frombuffer(text.ljust(size), np.uint8)
     tables = [json.loads(bytes(row).decode()) for row in multihost_utils.process_allgather(mine)]
     keys = {k for table in tables for k in table}
-    return {k: statistics.mean(t[k] for t in tables if k in t) for k in sorted(keys)}
+    merge = {k: min if k in OP_KEYS and k != "UPD" else statistics.mean for k in keys}
+    return {k: merge[k]([t[k] for t in tables if k in t]) for k in sorted(keys)}
 
 
 def slowest(seconds: float) -> float:
