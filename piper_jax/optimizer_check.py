@@ -23,7 +23,7 @@ import optax
 
 from piper_jax.ir.errors import PiperError
 from piper_jax.mpmd_runtime.global_norm import CARRIER
-from piper_jax.optimizer_trace import updates_are_per_element
+from piper_jax.optimizer_trace import apply_steps, updates_are_per_element
 from piper_jax.param_tree import ParamTree
 
 
@@ -52,12 +52,9 @@ def _runs(optimizer: optax.GradientTransformation, tree: ParamTree, jobs: list[J
 
         def one(p: Leaves, gs: list[Leaves], cs: Any) -> Leaves:
             zero = jax.numpy.zeros((), jax.numpy.float32)
-            tree_p = as_tree(p, zero)
-            state = optimizer.init(tree_p)
-            for step, g in enumerate(gs):
-                c = zero if cs is None else cs[step]
-                updates, state = optimizer.update(as_tree(g, c), state, tree_p)
-                tree_p = optax.apply_updates(tree_p, updates)
+            carriers = [zero if cs is None else cs[step] for step in range(len(gs))]
+            grads = [as_tree(g, c) for g, c in zip(gs, carriers)]
+            tree_p = apply_steps(optimizer, as_tree(p, zero), grads)
             out = dict(zip(order, jax.tree_util.tree_leaves(tree_p)))
             out.pop(CARRIER, None)
             return out

@@ -133,6 +133,16 @@ class _Walk:
         return None, array.ndim == 0, self.intern(key)
 
 
+def apply_steps(optimizer: optax.GradientTransformation, params: Any, grads: list) -> Any:
+    """`params` after the optimizer's init and one update per gradient tree in `grads`:
+    what both the trace here and the proxy run of optimizer_check.py compare."""
+    state = optimizer.init(params)
+    for g in grads:
+        updates, state = optimizer.update(g, state, params)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
 def _traced_names(
     optimizer: optax.GradientTransformation,
     tree: ParamTree,
@@ -147,12 +157,8 @@ def _traced_names(
         return jax.tree_util.tree_unflatten(treedef, [values[n] for n in order])
 
     def steps(params: dict[str, Any], grads: list[dict[str, Any]]) -> list:
-        tree_p = as_tree(params)
-        state = optimizer.init(tree_p)
-        for g in grads:
-            updates, state = optimizer.update(as_tree(g), state, tree_p)
-            tree_p = optax.apply_updates(tree_p, updates)
-        return jax.tree_util.tree_leaves(tree_p)
+        out = apply_steps(optimizer, as_tree(params), [as_tree(g) for g in grads])
+        return jax.tree_util.tree_leaves(out)
 
     spec = {n: jax.ShapeDtypeStruct(s, np.float32) for n, s in shapes.items()}
     closed = jc.trace_to_jaxpr(steps, spec, [spec] * STEPS)
