@@ -17,7 +17,13 @@ both devices as virtual devices of one process instead: they share the machine's
 a program timed alone has every core, and the prediction is that much too short (the
 search page says why).
 
+`--trace STEPS` looks inside the real steps: it traces them with jax.profiler and prints,
+per program over both processes, its median and mean time in the real step beside its
+measured cost, and how long the transfers took once both ranks were in them. That is
+where the simulation and the real step part (docs/performance.md, "the simulator").
+
 Run: .venv/bin/python benchmarks/sim_vs_real.py [--processes 2] [--width 1024] [--m 8]
+     [--trace 3]
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 SCHEDULES = ("gpipe", "one_f_one_b", "zero_bubble_h1", "dualpipev")
 ONE_THREAD = "--xla_cpu_multi_thread_eigen=false"  # XLA ignores every flag after a bad token
@@ -42,6 +49,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--m", type=int, default=8, help="microbatches")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--show-costs", action="store_true", help="print the measured costs")
+    parser.add_argument(
+        "--trace",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="also trace this many real steps with jax.profiler and print each program's "
+        "real times next to its measured cost, and the transfers' times once both ranks "
+        "were in them",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for all ranks")
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -59,25 +75,80 @@ def launch(argv: list[str], timeout: float) -> int:
         return 124
 
 
+def gathered(value: object) -> list:
+    """Every process's `value` (anything JSON can hold), in process order."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return [value]
+    text = json.dumps(value).encode()
+    size = int(np.max(multihost_utils.process_allgather(np.array([len(text)]))))
+    mine = np.frombuffer(text.ljust(size), np.uint8)
+    return [json.loads(bytes(row).decode()) for row in multihost_utils.process_allgather(mine)]
+
+
 def merged_costs(costs: dict[str, float]) -> dict[str, float]:
     """Every process's costs: a key measured by several processes gets their mean, but a
     transfer or collective their least: each process timed it from when it got there,
     and the one that got there first also timed its wait for the others, which the
     simulator adds by itself (Note [transfers between processes meet])."""
-    import jax
-    import numpy as np
-    from jax.experimental import multihost_utils
     from piper_jax.mpmd_runtime.simulator import OP_KEYS
 
-    if jax.process_count() == 1:
-        return costs
-    text = json.dumps(costs).encode()
-    size = int(np.max(multihost_utils.process_allgather(np.array([len(text)]))))
-    mine = np.frombuffer(text.ljust(size), np.uint8)
-    tables = [json.loads(bytes(row).decode()) for row in multihost_utils.process_allgather(mine)]
+    tables = gathered(costs)
     keys = {k for table in tables for k in table}
     merge = {k: min if k in OP_KEYS and k != "UPD" else statistics.mean for k in keys}
     return {k: merge[k]([t[k] for t in tables if k in t]) for k in sorted(keys)}
+
+
+TRANSFER = "moves"  # the program of a transfer between processes (mpmd_runtime/transport.py)
+STALL_S = 1e-3
+
+
+def real_programs(step: Any, batch: dict, steps: int, costs: dict[str, float]) -> list[str]:
+    """Trace `steps` real steps with jax.profiler and describe them, over all processes:
+    per program, its runs per step and their median and mean time in the real step
+    beside its measured cost; for the transfers between processes, each one's time
+    from when the last rank entered it to when the first left it (clocks of one machine),
+    which waiting for the peer does not explain."""
+    import glob
+    import tempfile
+
+    import jax
+    from trace_summary import cpu_program_runs
+
+    with tempfile.TemporaryDirectory() as folder:
+        jax.profiler.start_trace(folder)
+        for _ in range(steps):
+            step(batch)
+        jax.profiler.stop_trace()
+        (path,) = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
+        runs = cpu_program_runs(path)
+    per_process = gathered(runs)
+    times: dict[str, list[float]] = {}
+    for process in per_process:
+        for start, end, name in process:
+            times.setdefault(name, []).append((end - start) / 1e9)
+    ms = lambda seconds: f"{seconds * 1e3:.2f}"  # noqa: E731
+    lines = [f"  {'program':<10}{'per step':>9}{'median ms':>11}{'mean ms':>9}{'measured':>10}"]
+    for name, secs in sorted(times.items()):
+        measured = " / ".join(ms(costs[k]) for k in ("SEND", "RECV") if k in costs)
+        measured = measured if name == TRANSFER else ms(costs[name]) if name in costs else "-"
+        lines.append(
+            f"  {name:<10}{len(secs) / steps:>9.1f}{ms(statistics.median(secs)):>11}"
+            f"{ms(statistics.mean(secs)):>9}{measured:>10}"
+        )
+    moves = [[(start, end) for start, end, name in p if name == TRANSFER] for p in per_process]
+    if moves[0] and all(len(m) == len(moves[0]) for m in moves):
+        both = [max(0, min(e for _, e in k) - max(s for s, _ in k)) / 1e9 for k in zip(*moves)]
+        stalls = [t for t in both if t > STALL_S]
+        lines.append(
+            f"  transfers once every rank was in them: median {ms(statistics.median(both))}, "
+            f"mean {ms(statistics.mean(both))} ms; {len(stalls) / steps:.1f} per step took over "
+            f"{STALL_S * 1e3:g} ms, {sum(stalls) / steps * 1e3:.1f} ms per step in all"
+        )
+    return lines
 
 
 def slowest(seconds: float) -> float:
@@ -116,6 +187,7 @@ def run(args: argparse.Namespace) -> None:
     rng = np.random.default_rng(0)
     batch = {k: rng.normal(size=(args.batch_size, 8)).astype(np.float32) for k in ("x", "y")}
     rows = []
+    traced: dict[str, list[str]] = {}
     for name in SCHEDULES:
         stages = 4 if name == "dualpipev" else 2
         # DualPipeV folds its stages into a V: 0 and 3 on device 0, 1 and 2 on device 1
@@ -142,6 +214,8 @@ def run(args: argparse.Namespace) -> None:
             step(batch)  # returns host floats: the step has finished
             times.append(time.perf_counter() - start)
         rows.append((name, predicted, from_plans, slowest(statistics.median(times))))
+        if args.trace:
+            traced[name] = real_programs(step, batch, args.trace, costs)
     if jax.process_index() != 0:
         return
     where = "2 processes, one core each" if args.rank else "1 process, 2 virtual devices"
@@ -157,6 +231,9 @@ def run(args: argparse.Namespace) -> None:
         )
     print(f"median absolute error {statistics.median(abs(e) for e in errors):.1%}", end="")
     print(f" ({statistics.median(abs(e) for e in plans_errors):.1%} from the plans only)")
+    for name, lines in traced.items():
+        print(f"{name}: {args.trace} real steps traced (jax.profiler), every process's programs")
+        print("\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> int:

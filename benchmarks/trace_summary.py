@@ -4,6 +4,9 @@ steps, "F0", "B0", "UPD0") and how long the device sat idle between kernels; on 
 how long the Python calls named in `host_calls` took (the executor's dispatch loop, the
 whole step).
 
+On CPU devices, where XLA has no device planes, `cpu_program_runs` gives each program
+run's span from its ops instead (benchmarks/sim_vs_real.py --trace).
+
 Run: .venv/bin/python benchmarks/trace_summary.py TRACE.xplane.pb [--steps N]
 """
 
@@ -57,6 +60,25 @@ def summarize(
         elif plane.name == "/host:CPU":
             lines += _host(plane, steps, host_calls)
     return lines
+
+
+def cpu_program_runs(path: str) -> list[tuple[int, int, str]]:
+    """(start ns, end ns, program name) of every program run in a trace taken on CPU
+    devices, in order of start. XLA:CPU has no device planes: it traces each op of a
+    program, tagged with the program's hlo_module and run_id, on the thread that runs it."""
+    from jax.profiler import ProfileData
+
+    spans: dict[tuple[int, str], tuple[int, int]] = {}
+    for plane in ProfileData.from_file(path).planes:
+        for line in plane.lines:
+            for e in line.events:
+                stats = dict(e.stats)
+                if "hlo_module" not in stats or "run_id" not in stats:
+                    continue
+                key = (stats["run_id"], module_name(str(stats["hlo_module"])))
+                start, end = spans.get(key, (e.start_ns, e.start_ns + e.duration_ns))
+                spans[key] = (min(start, e.start_ns), max(end, e.start_ns + e.duration_ns))
+    return sorted((start, end, name) for (_, name), (start, end) in spans.items())
 
 
 def _device(plane: object, steps: int) -> list[str]:

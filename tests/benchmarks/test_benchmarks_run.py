@@ -18,13 +18,17 @@ RUNS = {
         "--width", "32", "--batch", "16", "-m", "2", "--rounds", "1", "--steps", "1",
         "--warmup", "1",
     ],
-    "sim_vs_real": ["--width", "32", "--batch-size", "16", "--m", "4", "--steps", "1"],
+    "sim_vs_real": [
+        "--width", "32", "--batch-size", "16", "--m", "4", "--steps", "1", "--trace", "1",
+    ],
     "plans_at_scale": ["--sizes", "small"],
     "moe_schedules": [
         "--schedules", "dualpipev", "--steps", "1", "--batch-size", "16", "--seq-len", "8",
         "--d-model", "16",
     ],
 }  # fmt: skip
+# a line each run must print: the part of its output that a bug would leave out
+EXPECTED = {"sim_vs_real": "transfers once every rank was in them"}
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
@@ -36,3 +40,4 @@ def test_benchmark_runs(name: str) -> None:
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert EXPECTED.get(name, "") in result.stdout, result.stdout[-3000:]
