@@ -102,6 +102,10 @@ def merged_costs(costs: dict[str, float]) -> dict[str, float]:
     return {k: merge[k]([t[k] for t in tables if k in t]) for k in sorted(keys)}
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}"
+
+
 TRANSFER = "moves"  # the program of a transfer between processes (mpmd_runtime/transport.py)
 STALL_S = 1e-3
 
@@ -130,22 +134,23 @@ def real_programs(step: Any, batch: dict, steps: int, costs: dict[str, float]) -
     for process in per_process:
         for start, end, name in process:
             times.setdefault(name, []).append((end - start) / 1e9)
-    ms = lambda seconds: f"{seconds * 1e3:.2f}"  # noqa: E731
-    lines = [f"  {'program':<10}{'per step':>9}{'median ms':>11}{'mean ms':>9}{'measured':>10}"]
+    lines = [f"  {'program':<10}{'per step':>9}{'median ms':>11}{'mean ms':>9}{'measured':>15}"]
     for name, secs in sorted(times.items()):
-        measured = " / ".join(ms(costs[k]) for k in ("SEND", "RECV") if k in costs)
-        measured = measured if name == TRANSFER else ms(costs[name]) if name in costs else "-"
+        if name == TRANSFER:  # measured as SEND on the sender, RECV on the receiver
+            measured = " / ".join(_ms(costs[k]) for k in ("SEND", "RECV") if k in costs)
+        else:
+            measured = _ms(costs[name]) if name in costs else "-"
         lines.append(
-            f"  {name:<10}{len(secs) / steps:>9.1f}{ms(statistics.median(secs)):>11}"
-            f"{ms(statistics.mean(secs)):>9}{measured:>10}"
+            f"  {name:<10}{len(secs) / steps:>9.1f}{_ms(statistics.median(secs)):>11}"
+            f"{_ms(statistics.mean(secs)):>9}{measured:>15}"
         )
     moves = [[(start, end) for start, end, name in p if name == TRANSFER] for p in per_process]
     if moves[0] and all(len(m) == len(moves[0]) for m in moves):
         both = [max(0, min(e for _, e in k) - max(s for s, _ in k)) / 1e9 for k in zip(*moves)]
         stalls = [t for t in both if t > STALL_S]
         lines.append(
-            f"  transfers once every rank was in them: median {ms(statistics.median(both))}, "
-            f"mean {ms(statistics.mean(both))} ms; {len(stalls) / steps:.1f} per step took over "
+            f"  transfers once every rank was in them: median {_ms(statistics.median(both))}, "
+            f"mean {_ms(statistics.mean(both))} ms; {len(stalls) / steps:.1f} per step took over "
             f"{STALL_S * 1e3:g} ms, {sum(stalls) / steps * 1e3:.1f} ms per step in all"
         )
     return lines
