@@ -502,21 +502,28 @@ def _reduce_side(
 
 def norm_partials(rt: Runtime, g: Group) -> Callable[[Env], jax.Array]:
     """Group g's squared gradient norm as per-replica partial sums (dp,), whose sum is
-    the group's share of the global norm: no collective per parameter, one at the end."""
+    the group's share of the global norm: no collective per parameter, one at the end.
+    The squares are summed over one concatenation of the gradients, which costs a copy
+    of them: XLA:CPU compiles a kernel for every reduction, and one per parameter took a
+    GPT's norm program (52 parameters) 0.18 s of compile under DP and 0.29 s under
+    ZeRO-3, against 0.04 and 0.12 s so."""
     mesh = rt.meshes[g]
     width = replicas(mesh)
     grads = grad_reader(rt, g, bf.norm_params(rt.ctx, g))
 
     def partial(env: Env) -> jax.Array:
-        parts = []
+        whole, rows = [], []
         for x, layout in grads(env):
-            sq = jnp.square(x.astype(jnp.float32))
-            if layout is Placement.REPLICATED:  # every replica holds the total: count it once
-                parts.append(jnp.full((width,), jnp.sum(sq) / width))
+            x = x.astype(jnp.float32)
+            if layout is Placement.REPLICATED:  # every replica holds the total
+                whole.append(x.reshape(-1))
             else:  # per-replica rows: partial sums (one replica) or ZeRO shards
-                rows = sq if layout is Placement.FLAT else sq[None]
-                parts.append(rows.reshape(width, -1).sum(1))
-        total = sum(parts, jnp.zeros((width,), jnp.float32))
+                rows.append((x if layout is Placement.FLAT else x[None]).reshape(width, -1))
+        total = jnp.zeros((width,), jnp.float32)
+        if whole:  # counted once: a share of it on each replica
+            total += jnp.sum(jnp.square(jnp.concatenate(whole))) / width
+        if rows:
+            total += jnp.sum(jnp.square(jnp.concatenate(rows, axis=1)), axis=1)
         return jax.lax.with_sharding_constraint(total, stacked(mesh))
 
     return partial

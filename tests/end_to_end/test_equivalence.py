@@ -72,6 +72,20 @@ def test_global_norm_clip_on_pipeline_matches_single_device() -> None:
     check_mlp_strategy(pipeline(4, 4, schedules.one_f_one_b), opt, num_stages=4)
 
 
+@pytest.mark.parametrize(
+    "directives",
+    [
+        [piper.replicate({"PP": "*"}, [0, 1, 2, 3])],
+        pipeline(2, 2, schedules.one_f_one_b, replicas=2),
+    ],
+    ids=["dp4", "pp2_dp2"],
+)
+def test_global_norm_clip_over_replicated_gradients(directives: list) -> None:
+    """Every replica holds the all-reduced gradients: the norm counts them once."""
+    opt = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.5))
+    check_mlp_strategy(directives, opt)
+
+
 def test_sgd_with_schedule_and_weight_decay() -> None:
     """A learning-rate schedule and decoupled weight decay, on PP=2 x DP=2."""
     opt = optax.adamw(optax.linear_schedule(1e-2, 1e-3, 3), weight_decay=0.1)
