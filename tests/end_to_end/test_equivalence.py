@@ -7,6 +7,7 @@ import json
 import optax
 import pytest
 from helpers import check_mlp_strategy, mlp_batches
+from piper_jax.mpmd_runtime import binders
 
 import piper_jax as piper
 from piper_jax import schedules
@@ -77,11 +78,19 @@ def test_global_norm_clip_on_pipeline_matches_single_device() -> None:
     [
         [piper.replicate({"PP": "*"}, [0, 1, 2, 3])],
         pipeline(2, 2, schedules.one_f_one_b, replicas=2),
+        [piper.replicate({"PP": "*"}, [0, 1, 2, 3], shard_params=True)],
     ],
-    ids=["dp4", "pp2_dp2"],
+    ids=["dp4", "pp2_dp2", "zero3_dp4"],
 )
-def test_global_norm_clip_over_replicated_gradients(directives: list) -> None:
-    """Every replica holds the all-reduced gradients: the norm counts them once."""
+@pytest.mark.parametrize("concat_max", [None, 50], ids=["one_sum", "mixed"])
+def test_global_norm_clip_over_replicas(
+    directives: list, concat_max: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every replica holds the all-reduced gradients (or, under ZeRO, its shards): the
+    norm counts each element once, summed over one concatenation or (with a small
+    NORM_CONCAT_MAX) partly per gradient."""
+    if concat_max is not None:
+        monkeypatch.setattr(binders, "NORM_CONCAT_MAX", concat_max)
     opt = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.5))
     check_mlp_strategy(directives, opt)
 
