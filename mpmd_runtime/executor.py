@@ -302,8 +302,11 @@ class Executor:
             consumed |= piece.access.consumes
             produced.update(dict.fromkeys(piece.access.writes))
         last_read = self._last_reads(g)
+        for_metrics = {bf.value(GNORM)}  # read by the step's metrics (_keeping_grad_norm)
         outputs = [
-            b for b in produced if b.kind is not bf.Kind.VALUE or last_read.get(b, -1) > position
+            b
+            for b in produced
+            if b.kind is not bf.Kind.VALUE or last_read.get(b, -1) > position or b in for_metrics
         ]
         # state read for the last time is donated: its buffers become the new state's
         donated = [b for b in inputs if b in consumed and b.kind in bf.PERSISTENT]

@@ -1,7 +1,8 @@
 """Plan compiler: the training DAG -> one list of steps per device group.
 
 The passes, in the order they run (see `compile_plans`):
-  schedule_nodes, attach_collectives, sink_receives, fuse_forward_backward (scheduler.py)
+  schedule_nodes, attach_collectives, sink_receives, fuse_forward_backward,
+  fuse_reductions_into_updates (scheduler.py)
   to_steps        one instruction per node; consecutive nodes of one unit form one step
   insert_frees    FREE after the last step of a group that touches a value
   dry_run         replay the plans (replay.py): proves they complete, and fixes the one
@@ -43,6 +44,7 @@ from piper_jax.mpmd_runtime.scheduler import (
     attached,
     compute_groups,
     fuse_forward_backward,
+    fuse_reductions_into_updates,
     schedule_nodes,
     sink_receives,
     unit_keys,
@@ -273,6 +275,8 @@ def compile_plans(
     }
     if fuse_passes:
         keys = fuse_forward_backward(dag, order, keys)
+    if fuse_collectives:
+        keys = fuse_reductions_into_updates(dag, order, keys)
     meshes = {n.devices: n.mesh for n in dag.compute_nodes()}
     zero_level = {n.devices: n.param_layout.zero_level for n in dag.compute_nodes()}
     steps = {g: to_steps(dag, order[g], keys, g) for g in groups}

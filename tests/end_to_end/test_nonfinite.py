@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from helpers import StageMLP, mlp_batches, mlp_loss, reference_run
 
 import piper_jax as piper
@@ -75,3 +76,15 @@ def test_ignore_applies_the_update_without_the_norm_collective() -> None:
     assert not all(np.isfinite(x).all() for x in leaves(step.params()))
     with pytest.raises(piper.PiperError, match="nonfinite='sometimes'"):
         piper.compile(mlp_loss, StageMLP(2), OPT, batches[0], [], nonfinite="sometimes")
+
+
+@pytest.mark.parametrize("num_stages", [1, 2])
+def test_grad_norm_metric_is_the_global_norm(num_stages: int) -> None:
+    """The step reports its gradients' global norm, also where the norm runs inside the
+    only update's program (one region: Note [reductions inside the update])."""
+    batch = mlp_batches(1)[0]
+    directives = [piper.replicate({"PP": "*"}, [0, 1])]
+    step = piper.compile(mlp_loss, StageMLP(num_stages), OPT, batch, directives)
+    grads = nnx.grad(mlp_loss)(StageMLP(num_stages), batch)
+    want = float(optax.tree.norm(nnx.state(grads)))
+    np.testing.assert_allclose(step(batch)["grad_norm"], want, rtol=1e-5)

@@ -157,3 +157,33 @@ def test_issue_order_is_valid(num_stages: int, device_of, orders: list) -> None:
             assert sent[key] > 0, f"{head} issued before its SEND"
             sent[key] -= 1
     assert seen == {g: len(s) for g, s in plans.steps.items()}
+
+
+def test_reductions_within_a_group_run_in_its_update() -> None:
+    """Note [reductions inside the update]: the all-reduces right before an update run in
+    its program; a bucket with a backward after it, and a reduction over several groups,
+    stay apart."""
+
+    def steps(directives: list) -> dict:
+        plans = piper.lower(
+            mlp_loss, StageMLP(2), optax.sgd(0.1), mlp_batches(1)[0], directives, num_devices=8
+        ).plans
+        return {g: [str(s) for s in plans.steps[g] if s.head.op != "FREE"] for g in plans.steps}
+
+    dp = steps([piper.replicate({"PP": "*"}, [0, 1])])[(0, 1)]
+    assert dp[-2:] == ["ALL_REDUCE grad[0,1] d0,1 + ALL_REDUCE gnorm d0,1 + UPD0", "UPD1"]
+    split = piper.split({"PP": "*"}, num_microbatches=2)
+    buckets = steps([split, piper.replicate({"PP": "*"}, [0, 1], bucket_size=0.0005)])[(0, 1)]
+    assert buckets[-5:-2] == ["ALL_REDUCE grad[1]/0 d0,1", "ALL_REDUCE grad[1]/1 d0,1", "B0.1"]
+    assert buckets[-2].startswith("ALL_REDUCE grad[0]/2 d0,1 + ")
+    assert buckets[-2].endswith(" + ALL_REDUCE gnorm d0,1 + UPD0")
+    directives = [split]
+    for s in range(2):
+        directives += [piper.place({"PP": s}, [s, s + 2]), piper.replicate({"PP": s}, [s, s + 2])]
+    pipeline = steps(directives + schedules.one_f_one_b(2, 2))[(0, 2)]
+    assert pipeline[-4:] == [
+        "ALL_REDUCE grad[0] d0,2",
+        "ALL_REDUCE grad[0,1] d0,2,1,3",
+        "ALL_REDUCE gnorm d0,2,1,3",
+        "UPD0",
+    ]
