@@ -517,14 +517,6 @@ def norm_partials(rt: Runtime, g: Group) -> Callable[[Env], jax.Array]:
     width = replicas(mesh)
     grads = grad_reader(rt, g, bf.norm_params(rt.ctx, g))
 
-    def square_sums(rows: list[jax.Array]) -> jax.Array:
-        """Per row, the sum of squares of (rows, n_i) arrays (a non-empty list)."""
-        small = [r for r in rows if r.shape[1] < NORM_CONCAT_MAX]
-        sums = [jnp.sum(jnp.square(r), axis=1) for r in rows if r.shape[1] >= NORM_CONCAT_MAX]
-        if small:
-            sums.append(jnp.sum(jnp.square(jnp.concatenate(small, axis=1)), axis=1))
-        return sum(sums[1:], sums[0])
-
     def partial(env: Env) -> jax.Array:
         whole, rows = [], []
         for x, layout in grads(env):
@@ -533,12 +525,22 @@ def norm_partials(rt: Runtime, g: Group) -> Callable[[Env], jax.Array]:
                 whole.append(x.reshape(1, -1))
             else:  # per-replica rows: partial sums (one replica) or ZeRO shards
                 rows.append((x if layout is Placement.FLAT else x[None]).reshape(width, -1))
-        total = square_sums(rows) if rows else jnp.zeros((width,), jnp.float32)
+        total = _square_sums(rows) if rows else jnp.zeros((width,), jnp.float32)
         if whole:  # counted once: a share of it on each replica
-            total += square_sums(whole)[0] / width
+            total += _square_sums(whole)[0] / width
         return jax.lax.with_sharding_constraint(total, stacked(mesh))
 
     return partial
+
+
+def _square_sums(rows: list[jax.Array]) -> jax.Array:
+    """Per row, the sum of squares of (rows, n_i) arrays (a non-empty list), the small
+    ones over their concatenation (see norm_partials)."""
+    small = [r for r in rows if r.shape[1] < NORM_CONCAT_MAX]
+    sums = [jnp.sum(jnp.square(r), axis=1) for r in rows if r.shape[1] >= NORM_CONCAT_MAX]
+    if small:
+        sums.append(jnp.sum(jnp.square(jnp.concatenate(small, axis=1)), axis=1))
+    return sum(sums[1:], sums[0])
 
 
 def _norm_side(rt: Runtime, g: Group) -> tuple[Callable, Callable]:
