@@ -6,6 +6,7 @@ from __future__ import annotations
 import optax
 import pytest
 from helpers import StageMLP, check_mlp_strategy, mlp_batches, mlp_loss, reference_run
+from piper_jax.mpmd_runtime import zero
 
 import piper_jax as piper
 from piper_jax import schedules
@@ -40,6 +41,14 @@ def pp2_dp2(flags: dict) -> list:
 @pytest.mark.parametrize("stage", sorted(ZERO))
 def test_zero_matches_single_device(stage: str, layout) -> None:
     check_mlp_strategy(layout(ZERO[stage]), OPT)
+
+
+@pytest.mark.parametrize("layout", [dp4, pp2_dp2])
+def test_zero3_with_a_collective_per_parameter(layout, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MLP's parameters are small and share one gather and one reduce-scatter per
+    program; large ones get one each (Note [one collective for many parameters])."""
+    monkeypatch.setattr(zero, "OWN_COLLECTIVE_MEAN", 0)
+    check_mlp_strategy(layout(ZERO["zero3"]), OPT)
 
 
 # Adam hides a wrong clip factor (it is nearly invariant to scaling its gradients); with
