@@ -3,8 +3,10 @@
 For float32 payloads of 4 KiB, 1 MiB, 16 MiB and 64 MiB, moves one (1, n) buffer from
 the only device of process 0 to the only device of process 1 (gloo on 127.0.0.1) with
   runtime: `mpmd_runtime.transport.make_transfer` between two 1-device groups, as a
-           SEND/RECV of a plan does (it builds the receiver's zeros and the global input
-           array on every call, then runs a jitted 2-device ppermute);
+           SEND/RECV of a plan does (the sender wraps its buffer into the program's global
+           input, the receiver passes placeholder zeros made once, both run a jitted
+           2-device ppermute, and the receiver wraps its part of the output as its
+           group's array: Note [cheap small transfers]);
   raw:     the same jitted `ppermute` inside `jax.shard_map` on the same 2-device mesh,
            called on a global input array built once.
 Each repetition ends with `jax.block_until_ready` on both ranks; runtime and raw calls
@@ -12,9 +14,8 @@ alternate (ABBA...) so that the load of other work on the machine hits both alik
 latency of a size is the larger of the two ranks' median seconds per transfer;
 bandwidth = bytes / latency.
 Rank 0 prints the table; "zeros ms" is the receiver's median time to make a fresh
-jnp.zeros of the payload, which the runtime's transfer does on every call (a lower bound
-on its cost there: in a loop of zeros alone the freed buffer is reused, while inside the
-transfer it often lands on fresh pages the kernel must fault in and clear).
+jnp.zeros of the payload: what a receive would cost if it made its placeholder on every
+call, as the runtime once did.
 
 Run: .venv/bin/python benchmarks/p2p.py --launch       (starts the 2 ranks itself)
   or .venv/bin/python -m piper_jax.launch --nprocs 2 benchmarks/p2p.py
@@ -121,7 +122,7 @@ def bench(args: argparse.Namespace) -> None:
         del got, out
         fns = [lambda a=arg, t=transfer: t(a), lambda a=xg: raw_program(a)]
         t_runtime, t_raw = timed(fns, warmup, reps)
-        # What the runtime adds on the receiver: a fresh zeros buffer of the payload per call.
+        # What a fresh placeholder per call would cost the receiver (the runtime makes one).
         (t_zeros,) = timed([lambda n=n: jnp.zeros((1, n), jnp.float32, device=mine)], 2, reps)
         rows.append((t_runtime, t_raw, t_zeros))
         del transfer, arg, local, xg, fns

@@ -44,11 +44,14 @@ def test_zero_matches_single_device(stage: str, layout) -> None:
 
 
 @pytest.mark.parametrize("layout", [dp4, pp2_dp2])
-def test_zero3_with_a_collective_per_parameter(layout, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("stage", sorted(ZERO))
+def test_zero_with_a_collective_per_parameter(
+    stage: str, layout, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The MLP's parameters are small and share one gather and one reduce-scatter per
     program; large ones get one each (Note [one collective for many parameters])."""
     monkeypatch.setattr(zero, "OWN_COLLECTIVE_MEAN", 0)
-    check_mlp_strategy(layout(ZERO["zero3"]), OPT)
+    check_mlp_strategy(layout(ZERO[stage]), OPT)
 
 
 # Adam hides a wrong clip factor (it is nearly invariant to scaling its gradients); with
