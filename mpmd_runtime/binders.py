@@ -210,7 +210,8 @@ def step_pieces(rt: Runtime, g: Group, instructions: Sequence[Instruction]) -> l
 
 
 def gather_piece(rt: Runtime, g: Group, ins: Instruction) -> Piece:
-    """ZeRO: parameter shards -> whole replicated parameters, one all-gather per dtype."""
+    """ZeRO: parameter shards -> whole replicated parameters, one all-gather per
+    parameter or per dtype (Note [one collective for many parameters])."""
     access = bf.access(ins, g, rt.ctx)
     mesh = rt.meshes[g]
     if ins.value.startswith("param[UPD"):
@@ -218,7 +219,8 @@ def gather_piece(rt: Runtime, g: Group, ins: Instruction) -> Piece:
     else:
         names = [b.name for b in access.reads]
     shapes = [rt.param_shape(n) for n in names]
-    program = spmd(lambda rows: zero.gather_all(rows, shapes), mesh, (P(AXIS),), P())
+    own = zero.own_collectives(shapes, list(mesh.devices.flat))
+    program = spmd(lambda rows: zero.gather_all(rows, shapes, own), mesh, (P(AXIS),), P())
 
     if ins.value.startswith("param[UPD"):  # ZeRO-2: the updated shards become parameters
 
@@ -246,10 +248,12 @@ def scatter_piece(rt: Runtime, g: Group, ins: Instruction) -> Piece:
     position = {n: i for i, n in enumerate(rt.ctx.names(region.param_ids))}
     take = [position[a.name] for a in accs]
     width = replicas(rt.meshes[g])
+    shapes = [rt.param_shape(a.name) for a in accs]
+    own = zero.own_collectives(shapes, list(rt.meshes[g].devices.flat))
 
     def reduce_scatter(grads: list, acc: list) -> list:
-        shards = zero.scatter_all([grads[i][0].astype(a.dtype) for i, a in zip(take, acc)], width)
-        return [a + s for a, s in zip(acc, shards)]
+        mine = [grads[i][0].astype(a.dtype) for i, a in zip(take, acc)]
+        return [a + s for a, s in zip(acc, zero.scatter_all(mine, width, own))]
 
     program = spmd(reduce_scatter, rt.meshes[g], (P(AXIS), P(AXIS)), P(AXIS))
 

@@ -27,10 +27,13 @@ need. Which is cheaper depends on the mean parameter size, so a program's parame
 share one collective when they average under OWN_COLLECTIVE_MEAN elements. Measured on a
 GPT of 52 parameters under ZeRO-3 on 4 CPU devices (2 cores), per-parameter against
 concatenated: d_model 32 (1,136 elements a parameter on average) 1.14x the step time;
-d_model 64 (4,162) 0.99x; d_model 128 (15,886) 0.94x, with 2.3-2.7 s of XLA compile against
-4.3 s; d_model 256 0.94x. XLA:GPU combines per-parameter all-gathers and reduce-scatters
-into one collective by itself; XLA:CPU combines only all-reduces, which is why the
-gradient all-reduce of a replicated group is always one `psum` per parameter
+d_model 64 (4,162) 0.99x; d_model 128 (15,886) 0.92-0.94x, with 2.3-2.7 s of XLA compile
+against 4.3 s; d_model 256 0.94x. A group whose devices lie in more than one process
+always shares one collective per dtype: there each collective is a round trip between
+processes (gloo on CPU), and at d_model 128 over 2 processes of 2 devices a collective
+per parameter made the step 2.0x slower. XLA:GPU combines per-parameter all-gathers and
+reduce-scatters into one collective by itself; XLA:CPU combines only all-reduces, which
+is why the gradient all-reduce of a replicated group is always one `psum` per parameter
 (`collectives.sum_replicas`).
 """
 
@@ -83,16 +86,20 @@ def split_columns(rows: jax.Array, widths: Sequence[int], axis: int = 1) -> list
 OWN_COLLECTIVE_MEAN = 2048
 
 
-def own_collectives(shapes: Sequence[Shape]) -> bool:
-    """Whether parameters of these shapes each get a collective of their own (Note [one
-    collective for many parameters])."""
-    return sum(math.prod(s) for s in shapes) >= OWN_COLLECTIVE_MEAN * len(shapes)
+def own_collectives(shapes: Sequence[Shape], devices: Sequence[jax.Device]) -> bool:
+    """Whether parameters of these shapes, gathered and reduce-scattered over `devices`,
+    each get a collective of their own (Note [one collective for many parameters])."""
+    one_process = len({d.process_index for d in devices}) == 1
+    return one_process and sum(math.prod(s) for s in shapes) >= OWN_COLLECTIVE_MEAN * len(shapes)
 
 
-def gather_all(shard_rows: Sequence[jax.Array], shapes: Sequence[Shape]) -> list[jax.Array]:
+def gather_all(
+    shard_rows: Sequence[jax.Array], shapes: Sequence[Shape], own: bool
+) -> list[jax.Array]:
     """Inside shard_map: each replica's (1, k) shards -> the full parameters, one
-    all-gather per parameter or per dtype (Note [one collective for many parameters])."""
-    if own_collectives(shapes):
+    all-gather per parameter (`own`) or per dtype (Note [one collective for many
+    parameters])."""
+    if own:
         return [from_shards(jax.lax.all_gather(r[0], AXIS), s) for r, s in zip(shard_rows, shapes)]
     out: list[Any] = [None] * len(shard_rows)
     for idx in dtype_groups(shard_rows):
@@ -104,14 +111,14 @@ def gather_all(shard_rows: Sequence[jax.Array], shapes: Sequence[Shape]) -> list
     return out
 
 
-def scatter_all(grads: Sequence[jax.Array], replicas: int) -> list[jax.Array]:
+def scatter_all(grads: Sequence[jax.Array], replicas: int, own: bool) -> list[jax.Array]:
     """Inside shard_map: this replica's full gradients -> its (1, k) shards of their sums
-    over the replicas, one reduce-scatter per parameter or per dtype."""
+    over the replicas, one reduce-scatter per parameter (`own`) or per dtype."""
 
     def scatter(rows: jax.Array) -> jax.Array:  # (R, k) -> this replica's (1, k) sum
         return jax.lax.psum_scatter(rows, AXIS, scatter_dimension=0, tiled=True)
 
-    if own_collectives([g.shape for g in grads]):
+    if own:
         return [scatter(to_shards(g, replicas)) for g in grads]
     out: list[Any] = [None] * len(grads)
     for idx in dtype_groups(grads):

@@ -1,11 +1,12 @@
-"""ZeRO's gathers and reduce-scatters: one collective per parameter for large parameters,
-one over their concatenation for small ones (Note [one collective for many parameters]),
-the same values either way, padding included."""
+"""ZeRO's gathers and reduce-scatters: one collective per parameter for large parameters
+within a process, one over their concatenation for small ones or across processes (Note
+[one collective for many parameters]), the same values either way, padding included."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -26,14 +27,8 @@ def primitives(fn, *args) -> dict[str, int]:
     return counts
 
 
-@pytest.fixture(params=["per_parameter", "concatenated"])
-def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    # the shapes above average 10 elements: a mean threshold of 0 gives each its own
-    monkeypatch.setattr(zero, "OWN_COLLECTIVE_MEAN", 0 if request.param == "per_parameter" else 11)
-    return request.param
-
-
-def test_gather_and_scatter_match_the_layout(mode: str) -> None:
+@pytest.mark.parametrize("own", [True, False], ids=["per_parameter", "concatenated"])
+def test_gather_and_scatter_match_the_layout(own: bool) -> None:
     mesh = group_mesh(jax.devices()[:R])
     rng = np.random.default_rng(0)
     full = [rng.normal(size=s).astype(np.float32) for s in SHAPES]
@@ -41,9 +36,12 @@ def test_gather_and_scatter_match_the_layout(mode: str) -> None:
     grads = [np.stack([(r + 1) * f for r in range(R)]) for f in full]
     shards = [zero.to_shards(f, R) for f in full]  # (R, k): row r is replica r's shard
 
-    gather = spmd(lambda rows: zero.gather_all(rows, SHAPES), mesh, (P(zero.AXIS),), P())
+    gather = spmd(lambda rows: zero.gather_all(rows, SHAPES, own), mesh, (P(zero.AXIS),), P())
     scatter = spmd(
-        lambda gs: zero.scatter_all([g[0] for g in gs], R), mesh, (P(zero.AXIS),), P(zero.AXIS)
+        lambda gs: zero.scatter_all([g[0] for g in gs], R, own),
+        mesh,
+        (P(zero.AXIS),),
+        P(zero.AXIS),
     )
     for got, want in zip(jax.jit(gather)(shards), full):
         np.testing.assert_array_equal(np.asarray(got), want)
@@ -51,15 +49,19 @@ def test_gather_and_scatter_match_the_layout(mode: str) -> None:
     for got, f in zip(jax.jit(scatter)(grads), full):
         np.testing.assert_allclose(np.asarray(got), zero.to_shards(total * f, R), rtol=1e-6)
 
-    one_each = mode == "per_parameter"
     gathers = primitives(gather, shards)["all_gather"]
     scatters = primitives(scatter, grads)["reduce_scatter"]
-    assert (gathers, scatters) == ((len(SHAPES),) * 2 if one_each else (1, 1))
+    assert (gathers, scatters) == ((len(SHAPES),) * 2 if own else (1, 1))
 
 
-def test_own_collectives_follow_the_mean_size() -> None:
+def test_own_collectives_follow_the_mean_size_within_a_process() -> None:
     """A GPT of width 32 averages 1,136 elements a parameter (one collective is faster),
-    width 128 averages 15,886 (one each is faster, and compiles in half the time)."""
-    assert not zero.own_collectives([(32, 32)] * 3 + [(32,)] * 9)
-    assert zero.own_collectives([(128, 512), (512, 128), (128,), (512,)])
-    assert zero.own_collectives([jnp.zeros((64, 64)).shape])
+    width 128 averages 15,886 (one each is faster, and compiles in half the time); over
+    devices of two processes every collective is a round trip, so they share one."""
+    local = jax.devices()[:R]
+    two_processes = [SimpleNamespace(process_index=i % 2) for i in range(R)]
+    large = [(128, 512), (512, 128), (128,), (512,)]
+    assert not zero.own_collectives([(32, 32)] * 3 + [(32,)] * 9, local)
+    assert zero.own_collectives(large, local)
+    assert zero.own_collectives([(64, 64)], local)
+    assert not zero.own_collectives(large, two_processes)
