@@ -25,10 +25,11 @@ and each of those copies is an XLA kernel of its own (its offset is part of its 
 XLA:CPU compiles a kernel per parameter and program that per-parameter collectives do not
 need. Which is cheaper depends on the mean parameter size, so a program's parameters
 share one collective when they average under OWN_COLLECTIVE_MEAN elements. Measured on a
-GPT of 52 parameters under ZeRO-3 on 4 CPU devices (2 cores), per-parameter against
-concatenated: d_model 32 (1,136 elements a parameter on average) 1.14x the step time;
-d_model 64 (4,162) 0.99x; d_model 128 (15,886) 0.92-0.94x, with 2.3-2.7 s of XLA compile
-against 4.3 s; d_model 256 0.94x. A group whose devices lie in more than one process
+GPT of 52 parameters under ZeRO-3 on 4 CPU devices (2 cores), both steps in one process,
+per-parameter against concatenated (medians of 8 rounds, each built first once): d_model
+32 (1,136 elements a parameter on average) 1.14-1.15x the step time; d_model 64 (4,162)
+0.99x; d_model 128 (15,886) 0.92-0.99x, with 2.3-2.9 s of XLA compile against 4.3 s;
+d_model 256 (62,020) 0.94x. A group whose devices lie in more than one process
 always shares one collective per dtype: there each collective is a round trip between
 processes (gloo on CPU), and at d_model 128 over 2 processes of 2 devices a collective
 per parameter made the step 2.0x slower. XLA:GPU combines per-parameter all-gathers and
