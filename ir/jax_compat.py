@@ -129,6 +129,24 @@ def sub_jaxpr_fn(
     return jex.jaxpr_as_fun(ClosedJaxpr(jaxpr, list(consts)))
 
 
+def with_eqns(closed: ClosedJaxpr, eqns: Sequence[JaxprEqn]) -> ClosedJaxpr:
+    """`closed` with its equations replaced (same inputs, outputs and constants)."""
+    return ClosedJaxpr(closed.jaxpr.replace(eqns=list(eqns)), list(closed.consts))
+
+
+def eqn_like(
+    eqn: JaxprEqn, invars: Sequence[Any], outvars: Sequence[Var], params: dict[str, Any]
+) -> JaxprEqn:
+    """An equation of `eqn`'s primitive (and source location) on other variables."""
+    return jex.new_jaxpr_eqn(
+        list(invars), list(outvars), eqn.primitive, params, eqn.effects, eqn.source_info
+    )
+
+
+def run_jaxpr(closed: ClosedJaxpr) -> Callable[..., list[Any]]:
+    return jex.jaxpr_as_fun(closed)
+
+
 def backends_are_initialized() -> bool:
     """Whether JAX has started its backends (after which device counts are fixed)."""
     return xla_bridge.backends_are_initialized()

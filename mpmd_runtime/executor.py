@@ -348,14 +348,16 @@ class Executor:
 
         return run, UnitCall(key, g, donated, kept, outputs, jitted)
 
-    def program_texts(self) -> dict[str, str]:
+    def program_texts(self, optimized: bool = True) -> dict[str, str]:
         """The optimized HLO of every distinct program that has run, by the first plan
         step that ran it ("d0,1: F0.0 + B1.1"): to check what XLA made of a step, e.g.
-        where it scheduled a collective."""
-        return {
-            label: self._unit_programs[key].lower(*args).compile().as_text()
-            for key, (label, args) in self._unit_args.items()
-        }
+        where it scheduled a collective; with `optimized=False`, the StableHLO piper-jax
+        hands XLA, to check what it asked for."""
+        texts = {}
+        for key, (label, args) in self._unit_args.items():
+            lowered = self._unit_programs[key].lower(*args)
+            texts[label] = lowered.compile().as_text() if optimized else lowered.as_text()
+        return texts
 
     def _last_reads(self, g: Group) -> dict[bf.Buffer, int]:
         """The last step of g that reads each buffer (values are written once)."""

@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 from piper_jax.ir.backward_split import split_backward
 from piper_jax.ir.layout import DP, EP, INNER_AXES, TP
 from piper_jax.ir.lift import LiftedLoss, Region
+from piper_jax.ir.weight_products import swap_transposed_products, with_swapped_products
 
 AXIS = DP
 
@@ -191,6 +192,8 @@ class RegionPrograms:
         self.holds_experts = holds_experts
         self.loss_seed, self.keep = loss_seed, keep  # "", or under recompute "inputs"/"dots"
         self.recompute = keep == "inputs"  # the backward runs the whole forward again
+        # Note [weight gradients as direct products]
+        self.swap_products = mesh.devices.flat[0].platform == "cpu"
         self.float_in = [
             lifted.regions[a.region].out_is_float(a.position) for a in region.act_inputs
         ]
@@ -316,8 +319,12 @@ class RegionPrograms:
             return self._linearize(params, batch, acts)[1]
         return jax.tree.unflatten(self._residual_structure()[0], self._leaves(params, unstack(res)))
 
+    def _pull_back(self, vjp: Callable, seeds: list) -> Any:
+        """`vjp(seeds)`, with Note [weight gradients as direct products] on CPU."""
+        return with_swapped_products(vjp)(seeds) if self.swap_products else vjp(seeds)
+
     def _backward(self, params: list, res: Any, cots: list, *acc: list) -> tuple:
-        g_params, g_acts = self._vjp(params, res)(self._seeds(unstack(cots)))
+        g_params, g_acts = self._pull_back(self._vjp(params, res), self._seeds(unstack(cots)))
         return stack(self._laid_out(list(g_acts))), self._gradients(g_params, acc)
 
     def _forward_backward(
@@ -325,7 +332,7 @@ class RegionPrograms:
     ) -> tuple:
         batch, acts = self._entering(batch, acts)
         outs, vjp = self._linearize(params, batch, acts)
-        g_params, g_acts = vjp(self._seeds(unstack(cots)))
+        g_params, g_acts = self._pull_back(vjp, self._seeds(unstack(cots)))
         return (
             stack(self._laid_out(outs)),
             stack(self._laid_out(list(g_acts))),
@@ -352,6 +359,8 @@ class RegionPrograms:
             if f
         ]
         closed = jax.make_jaxpr(lambda v, s: jax.tree.leaves(v(s)))(vjp, seeds)
+        if self.swap_products:
+            closed = swap_transposed_products(closed)
         return split_backward(closed, n_p, self._residual_structure()[2])
 
     def _backward_input(self, params: list, res: list, cots: list) -> tuple:
