@@ -3,25 +3,27 @@
 Note [weight gradients as direct products]
 JAX transposes `y = x @ w` into the weight gradient `transpose(dot_general(dy, x))`: a
 product with the output's dimensions swapped, then a transpose. XLA's algebraic
-simplifier folds that transpose into the product, and on XLA:CPU the folded product
-(`lhs_contracting_dims={0}` on a row-major operand) is not one its fast matrix library
-(YNNPACK) takes: it runs on Eigen, after a transposed copy of the other operand. Written
-as `dot_general(x, dy)` from the start, the same product runs in the library. Measured on
-one CPU device, the gradient of a (128, 512) weight over 1,024 rows: 1,865 us folded
-against 822 us direct. In one `jax.jit` of a whole data-parallel step the sharding
+simplifier folds that transpose into the product, and on XLA:CPU the folded product of
+activations shaped (batch, sequence, features), contracted over both leading dimensions,
+is not one its fast matrix library (YNNPACK) takes: it runs on Eigen, after a transposed
+copy of the other operand. Written as `dot_general(x, dy)` from the start, the same
+product runs in the library. Measured on one CPU device, the gradient of a (128, 512)
+weight over 8 x 128 rows: 1,865 us folded against 822 us direct (with 2-D activations
+both forms ran alike). In one `jax.jit` of a whole data-parallel step the sharding
 partitioner happens to keep the two apart (a gradient all-reduce sits between the
 product and the transpose), which is why pjit's step did not pay it and piper-jax's did:
 in the example GPT (d_model 128, 4 layers, 4 CPU devices) Eigen ran 8 weight-gradient
 products of the backward program (16 with the forward in the same program), some 11% of
 a data-parallel step's CPU samples against 1.5% for pjit. Rewritten, the step took 0.92x
-the time (0.86-1.02x over 8 rounds, same losses) and pjit's 0.93x; under ZeRO-3 0.98x.
+the time (0.86-1.02x over 8 rounds, same losses), under ZeRO-3 0.98x; against pjit's
+step, DP went from 1.06-1.07x to 0.93x and ZeRO-3 from 1.07-1.08x to 1.00-1.01x.
 
 `swap_transposed_products` rewrites every `transpose` that only swaps the two sides of a
 `dot_general` without batch dimensions (and is that product's only reader) into the
 swapped product itself: the same sums, one equation fewer. Equations inside nested
 jaxprs (a `jax.jit` or `jax.checkpoint` inside the model) are left as they are.
-mpmd_runtime/programs.py applies it to the backward passes on CPU devices only; elsewhere
-the libraries take either form.
+mpmd_runtime/programs.py applies it to the backward passes on CPU devices only, where it
+was measured; GPU matrix libraries take a transposed operand as it is.
 """
 
 from __future__ import annotations
