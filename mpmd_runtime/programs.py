@@ -147,6 +147,17 @@ def cotangent_sources(lifted: LiftedLoss, region: Region) -> list[list[tuple[int
     return sources
 
 
+def swaps_products(device: jax.Device) -> bool:
+    """Whether backward passes on `device` write their weight gradients as direct
+    products (Note [weight gradients as direct products]): on CPU devices."""
+    return device.platform == "cpu"
+
+
+def pull_back(vjp: Callable, cotangents: Any, swap_products: bool) -> Any:
+    """`vjp(cotangents)`, with its weight gradients as direct products if asked."""
+    return with_swapped_products(vjp)(cotangents) if swap_products else vjp(cotangents)
+
+
 def with_recompute_policy(fn: Callable, keep: str) -> Callable:
     """`fn`, whose VJP keeps only its inputs and every matrix product's output and
     recomputes the elementwise rest when `keep` is "dots"; `fn` itself otherwise."""
@@ -192,8 +203,7 @@ class RegionPrograms:
         self.holds_experts = holds_experts
         self.loss_seed, self.keep = loss_seed, keep  # "", or under recompute "inputs"/"dots"
         self.recompute = keep == "inputs"  # the backward runs the whole forward again
-        # Note [weight gradients as direct products]
-        self.swap_products = mesh.devices.flat[0].platform == "cpu"
+        self.swap_products = swaps_products(mesh.devices.flat[0])
         self.float_in = [
             lifted.regions[a.region].out_is_float(a.position) for a in region.act_inputs
         ]
@@ -319,12 +329,9 @@ class RegionPrograms:
             return self._linearize(params, batch, acts)[1]
         return jax.tree.unflatten(self._residual_structure()[0], self._leaves(params, unstack(res)))
 
-    def _pull_back(self, vjp: Callable, seeds: list) -> Any:
-        """`vjp(seeds)`, with Note [weight gradients as direct products] on CPU."""
-        return with_swapped_products(vjp)(seeds) if self.swap_products else vjp(seeds)
-
     def _backward(self, params: list, res: Any, cots: list, *acc: list) -> tuple:
-        g_params, g_acts = self._pull_back(self._vjp(params, res), self._seeds(unstack(cots)))
+        vjp = self._vjp(params, res)
+        g_params, g_acts = pull_back(vjp, self._seeds(unstack(cots)), self.swap_products)
         return stack(self._laid_out(list(g_acts))), self._gradients(g_params, acc)
 
     def _forward_backward(
@@ -332,7 +339,7 @@ class RegionPrograms:
     ) -> tuple:
         batch, acts = self._entering(batch, acts)
         outs, vjp = self._linearize(params, batch, acts)
-        g_params, g_acts = self._pull_back(vjp, self._seeds(unstack(cots)))
+        g_params, g_acts = pull_back(vjp, self._seeds(unstack(cots)), self.swap_products)
         return (
             stack(self._laid_out(outs)),
             stack(self._laid_out(list(g_acts))),

@@ -26,7 +26,7 @@ from flax import nnx
 
 from piper_jax.ir.dag import NodeKind, TrainingDAG
 from piper_jax.ir.lift import LiftedLoss, Region
-from piper_jax.mpmd_runtime.programs import with_recompute_policy
+from piper_jax.mpmd_runtime.programs import pull_back, swaps_products, with_recompute_policy
 from piper_jax.mpmd_runtime.simulator import TimelineEvent, peak_activations
 from piper_jax.rng import COUNTER_AVAL
 
@@ -142,7 +142,8 @@ def measure_regions(
         key = str(jax.make_jaxpr(region.fn)(params, batch, acts))
         if key not in programs:
             forward = jax.jit(_linearize(region, lifted))
-            backward = jax.jit(lambda vjp, cots: vjp(cots))
+            swap = swaps_products(device)  # as the runtime's backward runs
+            backward = jax.jit(lambda vjp, cots, swap=swap: pull_back(vjp, cots, swap))
             f_time, (outs, vjp) = seconds_of(forward, params, batch, acts)
             floats = [o for i, o in enumerate(outs) if region.out_is_float(i)]
             b_time, _ = seconds_of(backward, vjp, [jnp.ones_like(o) for o in floats])
