@@ -61,6 +61,26 @@ def _by_size(grads, state, params=None):
     return jax.tree.map(lambda g: g / g.size, grads), state
 
 
+def _remembers_another_leaf() -> optax.GradientTransformation:
+    """Adds to each gradient the last step's gradient of another leaf, kept in the state:
+    per-element in a first update, coupling two leaves from the second on."""
+
+    def update(grads, state, params=None):
+        return jax.tree.map(jnp.add, grads, state), _swap(grads, None)[0]
+
+    return optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), update)
+
+
+def _state_changes_type() -> optax.GradientTransformation:
+    """Per-element, but an update turns its integer counter into a float: one traced
+    update no longer stands for the next, so the proof leaves it to the proxies."""
+
+    def update(grads, state, params=None):
+        return grads, state.astype(jnp.float32) + 1
+
+    return optax.GradientTransformation(lambda p: jnp.zeros((), jnp.int32), update)
+
+
 PER_ELEMENT = {
     "sgd": optax.sgd(1e-2, momentum=0.9),
     "adamw_schedule": optax.adamw(optax.linear_schedule(1e-2, 1e-3, 3), weight_decay=0.1),
@@ -107,6 +127,8 @@ NOT_PROVEN = {  # optimizer, sharded, and what the proxies then decide
     # one group's shards: each replica holds shard i of both leaves, so this works; the
     # proof still leaves any coupling of two leaves to the proxies
     "swapped_leaves_zero": (_stateless(_swap), True, False),
+    "remembers_another_leaf": (_remembers_another_leaf(), False, "refused"),
+    "state_changes_type": (_state_changes_type(), False, False),
     "by_position_zero": (_stateless(_by_position), True, "refused"),
     "by_size_zero": (_stateless(_by_size), True, "refused"),
 }
