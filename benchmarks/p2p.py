@@ -9,6 +9,10 @@ the only device of process 0 to the only device of process 1 (gloo on 127.0.0.1)
            group's array: Note [cheap small transfers]);
   raw:     the same jitted `ppermute` inside `jax.shard_map` on the same 2-device mesh,
            called on a global input array built once.
+and, for the same payloads each way, the two directions as one exchange
+(`transport.make_exchange`, what the executor runs for a pipeline's back-to-back SENDs
+between the same processes: Note [transfers that meet together]) against the two
+runtime transfers one after the other.
 Each repetition ends with `jax.block_until_ready` on both ranks; runtime and raw calls
 alternate (ABBA...) so that the load of other work on the machine hits both alike. The
 latency of a size is the larger of the two ranks' median seconds per transfer;
@@ -68,7 +72,7 @@ def bench(args: argparse.Namespace) -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     from piper_jax.mpmd_runtime.programs import group_mesh, stacked
-    from piper_jax.mpmd_runtime.transport import make_transfer
+    from piper_jax.mpmd_runtime.transport import TransferSpec, make_exchange, make_transfer
 
     if jax.process_count() != 2 or jax.device_count() != 2:
         raise SystemExit("p2p.py needs 2 processes x 1 device: use --launch")
@@ -124,11 +128,31 @@ def bench(args: argparse.Namespace) -> None:
         t_runtime, t_raw = timed(fns, warmup, reps)
         # What a fresh placeholder per call would cost the receiver (the runtime makes one).
         (t_zeros,) = timed([lambda n=n: jnp.zeros((1, n), jnp.float32, device=mine)], 2, reps)
-        rows.append((t_runtime, t_raw, t_zeros))
-        del transfer, arg, local, xg, fns
+        # Both directions: two transfers one after the other vs one exchange.
+        back = make_transfer(dst_mesh, src_mesh, avals, avals)
+        exchange = make_exchange(
+            [
+                TransferSpec(src_mesh, dst_mesh, avals, avals),
+                TransferSpec(dst_mesh, src_mesh, avals, avals),
+            ]
+        )
+        if rank == 1:
+            arg = [jax.device_put(np.ones((1, n), np.float32), stacked(dst_mesh))]
+        ahead, behind = (arg, None) if rank == 0 else (None, arg)
+        (got, got_back), _ = exchange([ahead, behind])  # each rank got the other's ones
+        mine_got = got if rank == 1 else got_back
+        assert float(mine_got[0].addressable_shards[0].data.min()) == 1.0
+        del got, got_back, mine_got
+        fns = [
+            lambda a=ahead, b=behind, t=transfer, u=back: (t(a), u(b)),
+            lambda a=ahead, b=behind, x=exchange: x([a, b]),
+        ]
+        t_apart, t_together = timed(fns, warmup, reps)
+        rows.append((t_runtime, t_raw, t_zeros, t_apart, t_together))
+        del transfer, back, exchange, arg, ahead, behind, local, xg, fns
 
     mine_t = np.array(rows, np.float64)
-    both = np.asarray(multihost_utils.process_allgather(mine_t))  # (2 ranks, sizes, 3)
+    both = np.asarray(multihost_utils.process_allgather(mine_t))  # (2 ranks, sizes, 5)
     if rank != 0:
         return
     print(f"p2p: process 0 -> process 1, 1 CPU device each, gloo; reps x{args.reps_scale:g}")
@@ -145,6 +169,15 @@ def bench(args: argparse.Namespace) -> None:
         print(
             f"{name:>7} | {lat[0]:10.3e} {bw[0]:12.1f} | {lat[1]:10.3e} {bw[1]:9.1f}"
             f" | {lat[0] / lat[1]:11.2f} | {both[1, i, 2] * 1e3:8.2f} | {per}"
+        )
+    print("\nboth directions at once (the payload each way): two transfers vs one exchange")
+    print(
+        f"{'size':>7} | {'two transfers ms':>16} | {'one exchange ms':>15} | {'exchange/two':>12}"
+    )
+    for i, name in enumerate(args.sizes):
+        apart, together = both[:, i, 3:5].max(axis=0)
+        print(
+            f"{name:>7} | {apart * 1e3:16.3f} | {together * 1e3:15.3f} | {together / apart:12.2f}"
         )
 
 

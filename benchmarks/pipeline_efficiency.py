@@ -37,9 +37,10 @@ per-round medians, the speedup over jit1, for 2-process variants the fraction of
 (median over rounds; all threads of the process: compute, dispatch, and any busy-waiting
 in transfers), and the time to build and run the warm-up steps. For each piper variant it
 also gives, per rank and from the last round, the closures dispatched per step (one per
-plan step, FREEs included) and their instructions by op, the time the host spends in the
-dispatch loop (`Executor.run`, before waiting for the results: it includes any waiting for
-the peer inside a cross-process transfer) of a whole step, and the count and median per
+plan step, FREEs included, the SENDs of one exchange counted once) and their
+instructions by op, the time the host spends in the dispatch loop (`Executor.run`,
+before waiting for the results: it includes any waiting for the peer inside a
+cross-process transfer) of a whole step, and the count and median per
 kind of one instrumented step (`Executor.run_recorded`, the measurement behind
 TrainStep.measure_costs, which waits for each closure in turn and so serialises the
 devices). At a small width (--width 16) the step time per closure is the runtime's cost
@@ -211,7 +212,7 @@ def probe_dispatch(train, batch: dict) -> dict:
     for e in ex.run_recorded(leaves):
         kinds.setdefault(e.kind, []).append(e.end - e.start)
     return {
-        "programs": len(ex.steps),
+        "programs": len(ex.steps) - sum(1 for p in ex.exchanges.values() if not p),
         "instructions": sum(ops.values()),
         "ops": dict(ops),
         "dispatch_s": t1 - t0,

@@ -44,7 +44,13 @@ from piper_jax.mpmd_runtime.programs import (
     spmd,
     stacked,
 )
-from piper_jax.mpmd_runtime.transport import make_transfer, shard_assembler, shards_by_device
+from piper_jax.mpmd_runtime.transport import (
+    TransferSpec,
+    make_exchange,
+    make_transfer,
+    shard_assembler,
+    shards_by_device,
+)
 
 if TYPE_CHECKING:
     from piper_jax.mpmd_runtime.executor import Runtime
@@ -416,6 +422,28 @@ def bind_send(rt: Runtime, g: Group, ins: Instruction) -> Exchange:
         out, witness = transfer(store[buf] if sending else None)
         if out is not None:
             mailbox[key] = out
+        return witness
+
+    return send
+
+
+def bind_sends(rt: Runtime, sends: Sequence[tuple[Group, Instruction]]) -> Exchange:
+    """Cross-process SENDs run as one program (Note [transfers that meet together])."""
+    specs = []
+    for g, ins in sends:
+        peer = tuple(ins.peer)
+        avals = rt.buffer_avals(ins.value, g), rt.buffer_avals(ins.value, peer)
+        specs.append(TransferSpec(rt.meshes[g], rt.meshes[peer], *avals))
+    exchange = make_exchange(specs)
+    sources = [(rt.stores[g], bf.value(ins.value)) if g in rt.local else None for g, ins in sends]
+    keys = [(ins.value, tuple(ins.peer)) for _, ins in sends]
+    mailbox = rt.mailbox
+
+    def send() -> Any:
+        received, witness = exchange([None if s is None else s[0][s[1]] for s in sources])
+        for key, out in zip(keys, received):
+            if out is not None:
+                mailbox[key] = out
         return witness
 
     return send

@@ -32,6 +32,7 @@ from piper_jax.mpmd_runtime import binders, state
 from piper_jax.mpmd_runtime import buffers as bf
 from piper_jax.mpmd_runtime import programs as pg
 from piper_jax.mpmd_runtime.compile_ahead import UnitCall, abstract, compile_ahead, default_workers
+from piper_jax.mpmd_runtime.exchanges import exchange_sets
 from piper_jax.mpmd_runtime.instructions import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -229,6 +230,9 @@ class Executor:
         self._unit_args: dict[tuple, tuple[str, Any]] = {}  # key -> (step, argument avals)
         self._last_read: dict[Group, dict[bf.Buffer, int]] = {}
         self.step_events: list[Event] = [e for e in plans.order if self._takes_part(e)]
+        # SENDs run as one program (Note [transfers that meet together]), by position in
+        # `steps`: the first one's list of all, each later one's empty list
+        self.exchanges = self._exchanges()
         self._units: dict[int, UnitCall] = {}  # by position in `steps`
         self._rewrite_in_place = rewrites_state_in_place(devices)
         self.steps: list[Closure] = [self._bind(i, e) for i, e in enumerate(self.step_events)]
@@ -240,7 +244,7 @@ class Executor:
         }
         self.compile_workers = default_workers()  # Note [compiling ahead]
         self.compiled_ahead: int | None = None  # programs compiled ahead, after the first step
-        self.failures = FailureReport(plans, rt.meshes, self.step_events)
+        self.failures = FailureReport(plans, rt.meshes, self.step_events, self.exchanges)
         self._witnesses: list[tuple[int, Witness]] = []
         self._position = 0
         self._mean_loss = jax.jit(
@@ -255,6 +259,20 @@ class Executor:
         head = self.plans.steps[members[0]][index[0]].head
         return head.op == SEND and tuple(head.peer) in self.rt.local
 
+    def _exchanges(self) -> dict[int, list[int]]:
+        processes = {
+            g: frozenset(d.process_index for d in mesh.devices.flat)
+            for g, mesh in self.rt.meshes.items()
+        }
+        local = {event: i for i, event in enumerate(self.step_events)}
+        out: dict[int, list[int]] = {}
+        for run in exchange_sets(self.plans.order, self.plans.steps, processes):
+            positions = [local[self.plans.order[k]] for k in run if self.plans.order[k] in local]
+            if positions:  # this process takes part in all of them or none
+                out[positions[0]] = positions
+                out.update({p: [] for p in positions[1:]})
+        return out
+
     # ---- binding steps to closures --------------------------------------------------
 
     def _bind(self, position: int, event: Event) -> Closure:
@@ -262,6 +280,8 @@ class Executor:
         g = members[0]
         step = self.plans.steps[g][index[0]]
         head = step.head
+        if position in self.exchanges:
+            return self._bind_exchange(self.exchanges[position])
         if len(members) > 1:
             closure = binders.bind_cross_reduce(self.rt, members, head)
         elif head.op in binders.EXCHANGES:
@@ -276,6 +296,16 @@ class Executor:
         ):
             return self._keeping_grad_norm(closure, self.rt.stores[loss_group])
         return closure
+
+    def _bind_exchange(self, positions: list[int]) -> Closure:
+        """The first SEND of an exchange runs them all; the later ones nothing."""
+        if not positions:
+            return lambda: None
+        sends = []
+        for p in positions:
+            (g,), (i,) = self.step_events[p]
+            sends.append((g, self.plans.steps[g][i].head))
+        return binders.bind_sends(self.rt, sends)
 
     def _keeping_grad_norm(self, closure: Closure, store: dict) -> Closure:
         """`closure`, then keep the squared global gradient norm it wrote, for metrics."""
@@ -497,34 +527,45 @@ class Executor:
         Each process records its own groups' steps. A transfer between processes runs at
         its SEND on both sides: a process that only receives records it as its group's
         RECV (the time its own devices spent on it), and no second RECV for the step that
-        then takes the value from the mailbox."""
+        then takes the value from the mailbox. The SENDs of an exchange share its time
+        in equal parts, in order (the simulator runs them one after the other)."""
         self._stage_batch(batch_leaves)
         self._compile_ahead()
         self._block_all()
         self.losses.clear()
-        events = []
+        events: list[TimelineEvent] = []
         t0 = time.perf_counter()
-        for closure, (members, index) in zip(self.steps, self.step_events):
+        for position, closure in enumerate(self.steps):
             start = time.perf_counter() - t0
             out = closure()
             jax.block_until_ready(out)  # a transfer's witness: done on this process's side
             self._block_all()
             end = time.perf_counter() - t0
-            step = self.plans.steps[members[0]][index[0]]
-            head = step.head
-            if head.op == FREE or (head.op == RECV and tuple(head.peer) not in self.rt.local):
-                continue
-            if head.op == SEND and members[0] not in self.rt.local:  # only receiving here
-                receiver = tuple(head.peer)
-                text = str(Instruction(RECV, head.value, members[0]))
-                events.append(TimelineEvent(receiver, text, RECV, head.microbatch, start, end))
-                continue
-            kind = head.pass_ if head.op == RUN else head.op
-            for g in members:
-                if g in self.rt.local:
-                    events.append(TimelineEvent(g, str(step), kind, head.microbatch, start, end))
+            parts = self.exchanges.get(position, [position])
+            for k, p in enumerate(parts):
+                share = (end - start) / len(parts)
+                self._record(
+                    events, self.step_events[p], start + k * share, start + (k + 1) * share
+                )
         self.losses.clear()
         return events
+
+    def _record(self, events: list[TimelineEvent], event: Event, start: float, end: float) -> None:
+        """Add what step `event` ran on this process's groups from `start` to `end`."""
+        members, index = event
+        step = self.plans.steps[members[0]][index[0]]
+        head = step.head
+        if head.op == FREE or (head.op == RECV and tuple(head.peer) not in self.rt.local):
+            return
+        if head.op == SEND and members[0] not in self.rt.local:  # only receiving here
+            receiver = tuple(head.peer)
+            text = str(Instruction(RECV, head.value, members[0]))
+            events.append(TimelineEvent(receiver, text, RECV, head.microbatch, start, end))
+            return
+        kind = head.pass_ if head.op == RUN else head.op
+        for g in members:
+            if g in self.rt.local:
+                events.append(TimelineEvent(g, str(step), kind, head.microbatch, start, end))
 
     def host_costs(self, batch_leaves: Sequence[np.ndarray]) -> tuple[float, float]:
         """From one real step (which trains): the host's CPU seconds to issue a step that

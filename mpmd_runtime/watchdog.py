@@ -61,8 +61,16 @@ class StepWatchdog:
 class FailureReport:
     """Names the instruction and the peer processes of a failed or stalled step."""
 
-    def __init__(self, plans: Any, meshes: Mapping[Group, Any], events: Sequence[Event]):
+    def __init__(
+        self,
+        plans: Any,
+        meshes: Mapping[Group, Any],
+        events: Sequence[Event],
+        exchanges: Mapping[int, list[int]],
+    ):
+        """`exchanges`: the executor's, positions of SENDs run as one program."""
         self.plans, self.meshes, self.events = plans, meshes, list(events)
+        self.exchanges = exchanges
 
     def _step(self, index: int) -> Any:
         members, position = self.events[index]
@@ -81,8 +89,9 @@ class FailureReport:
     def message(self, index: int, what: str) -> str:
         members, _ = self.events[index]
         peers = ", ".join(f"process {p}" for p in self.peers_of(index)) or "no other process"
+        text = " + ".join(str(self._step(i)) for i in self.exchanges.get(index) or [index])
         return (
-            f"process {jax.process_index()}: instruction '{self._step(index)}' on "
+            f"process {jax.process_index()}: instruction '{text}' on "
             f"{', '.join(group_str(g) for g in members)} {what}; it waits on {peers}, which "
             "died or stalled: check that process's output"
         )

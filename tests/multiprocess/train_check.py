@@ -129,6 +129,9 @@ def main() -> None:
         experts = 4 if "_ep" in sys.argv[1] else 0  # the toy expert layers of StageMLP
         step = check_mlp_strategy(directives, optax.adam(1e-2), num_stages, experts=experts)
         check_transfer_witnesses(step)
+        if sys.argv[1] in ("pp2_1f1b", "pp2_dp2_1f1b"):  # Note [transfers that meet together]
+            exchanges = [p for p in step._executor.exchanges.values() if len(p) > 1]
+            assert len(exchanges) == 2, exchanges  # StageMLP's 1F1B at m = 4
         if sys.argv[1] == "pp2_1f1b":
             check_recorded_transfers(step)
     print(f"ORACLE OK process {jax.process_index()} of {jax.process_count()}", flush=True)
