@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -171,13 +172,19 @@ class PlanContext:
 
     def cotangent_consumers(self, region: int) -> list[int]:
         """Regions whose backward sends cotangents for `region`'s float outputs."""
+        return self._cotangent_consumers.get(region, [])
+
+    @functools.cached_property
+    def _cotangent_consumers(self) -> dict[int, list[int]]:
+        # once per context: every backward in the plans asks (a plan compile at scale
+        # asks for each of its 10^5 instructions)
         regions = self.lifted.regions
-        out = set()
+        out: dict[int, set[int]] = {}
         for consumer in regions:
             for ref in consumer.act_inputs:
-                if ref.region == region and regions[region].out_is_float(ref.position):
-                    out.add(consumer.index)
-        return sorted(out)
+                if regions[ref.region].out_is_float(ref.position):
+                    out.setdefault(ref.region, set()).add(consumer.index)
+        return {r: sorted(c) for r, c in out.items()}
 
     def param_inputs(self, group: Group, label: Label) -> list[Buffer]:
         """The parameters a pass reads: gathered (ZeRO-3) or the group's own."""

@@ -93,34 +93,52 @@ def replay(
     while remaining:
         progressed = False
         for g in groups:
-            while pc[g] < len(steps[g]):
-                step = steps[g][pc[g]]
-                head = step.head
-                members = members_of(step, g, groups)
-                if head.op == RECV:
+            # the group's own steps run on until one blocks; its position and clock live
+            # in locals meanwhile (a plan at scale replays 10^5 steps)
+            plan, i, now = steps[g], pc[g], free_at[g]
+            g_start, g_end, one = start[g], end[g], (g,)
+            while i < len(plan):
+                step = plan[i]
+                head = step.instructions[0]
+                op = head.op
+                if op == ALL_REDUCE and tuple(head.peer) != g:
+                    members = groups_within(tuple(head.peer), tuple(groups))
+                    if len(members) > 1:
+                        pc[g], free_at[g] = i, now
+                        if any(pc[m] >= len(steps[m]) or steps[m][pc[m]] != step for m in members):
+                            break
+                        t0 = max(free_at[m] for m in members)
+                        t1 = t0 + cost(g, step)
+                        for m in members:
+                            start[m].append(t0)
+                            end[m].append(t1)
+                            free_at[m] = t1
+                        order.append((tuple(members), tuple(pc[m] for m in members)))
+                        for m in members:
+                            pc[m] += 1
+                        remaining -= len(members)
+                        i, now, progressed = pc[g], t1, True
+                        continue
+                if op == RECV:
                     key = (head.value, tuple(head.peer), g)
-                    if len(sent[key]) <= received[key]:
+                    k = received[key]
+                    times = sent[key]
+                    if len(times) <= k:
                         break
-                    t0 = max(free_at[g], sent[key][received[key]] + transfer_latency)
-                    received[key] += 1
-                elif len(members) > 1:
-                    if any(pc[m] >= len(steps[m]) or steps[m][pc[m]] != step for m in members):
-                        break
-                    t0 = max(free_at[m] for m in members)
+                    t0 = max(now, times[k] + transfer_latency)
+                    received[key] = k + 1
                 else:
-                    t0 = free_at[g]
-                t1 = t0 + cost(g, step)
-                for m in members:
-                    start[m].append(t0)
-                    end[m].append(t1)
-                    free_at[m] = t1
-                order.append((tuple(members), tuple(pc[m] for m in members)))
-                for m in members:
-                    pc[m] += 1
-                remaining -= len(members)
-                if head.op == SEND:
-                    sent[(head.value, g, tuple(head.peer))].append(t1)
+                    t0 = now
+                now = t0 + cost(g, step)
+                g_start.append(t0)
+                g_end.append(now)
+                order.append((one, (i,)))
+                i += 1
+                remaining -= 1
+                if op == SEND:
+                    sent[(head.value, g, tuple(head.peer))].append(now)
                 progressed = True
+            pc[g], free_at[g] = i, now
         if remaining and not progressed:
             raise PlanError(_deadlock_report(steps, pc, start, sent, received))
     return Replay(start, end, order)

@@ -231,8 +231,18 @@ def simulate(
     if transfer_latency < 0 or not math.isfinite(transfer_latency):
         raise CostError(f"transfer_latency must be a finite number >= 0, got {transfer_latency}")
 
+    # each step's pieces, costed once for the replay and the timeline; by identity, as
+    # the plans hold every step throughout (hashing 10^5 steps cost more than costing)
+    pieces_of: dict[int, list[tuple[Instruction, float]]] = {}
+
+    def step_pieces(step: Step) -> list[tuple[Instruction, float]]:
+        pieces = pieces_of.get(id(step))
+        if pieces is None:
+            pieces = pieces_of[id(step)] = _piece_costs(table, step)
+        return pieces
+
     def step_cost(group: Group, step: Step) -> float:
-        return sum(c for _, c in _piece_costs(table, step))
+        return sum(c for _, c in step_pieces(step))
 
     meeting = _meeting_transfers(plans, processes or {})
     hosts = None
@@ -245,7 +255,7 @@ def simulate(
     timeline = []
     for g, steps in plans.steps.items():
         for i, (step, t0) in enumerate(zip(steps, starts[g])):
-            pieces = _piece_costs(table, step)
+            pieces = step_pieces(step)
             if (g, i) in spans:  # the receiving side of a meeting, drawn where it ran
                 t0, cost = spans[(g, i)]
                 pieces = [(step.head, cost)]
