@@ -9,12 +9,12 @@ global issue order, so every process picks the same.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 from piper_jax.mpmd_runtime.instructions import FREE, RECV, SEND, Step
-from piper_jax.mpmd_runtime.replay import Event
 
 Group = tuple[int, ...]
+Event = tuple[tuple[Group, ...], tuple[int, ...]]  # as replay.py gives the issue order
 
 
 @dataclasses.dataclass
@@ -27,14 +27,15 @@ class _Run:
 def exchange_sets(
     order: Sequence[Event],
     steps: Mapping[Group, Sequence[Step]],
-    processes: Mapping[Group, frozenset[int]],
+    processes: Mapping[Group, frozenset[Hashable]],
 ) -> list[list[int]]:
     """Runs of two or more cross-process SENDs in `order` (their positions) that can be
     one program: they move data between the same set of processes, and every step
     between them either involves none of those processes or only moves host references
     (a FREE, a RECV taking an arrived value) of buffers none of the later SENDs sends.
     Running such a run at its first SEND changes nothing any process observes but the
-    number of programs. `processes[g]`: the processes holding devices of group g."""
+    number of programs. `processes[g]`: the processes holding devices of group g (any
+    hashable ids)."""
     runs: list[list[int]] = []
     run: _Run | None = None
 

@@ -13,6 +13,7 @@ from helpers import StageMLP, mlp_batches, mlp_loss
 from piper_jax.mpmd_runtime import parse_step
 from piper_jax.mpmd_runtime.exchanges import exchange_sets
 from piper_jax.mpmd_runtime.programs import group_mesh, stacked
+from piper_jax.mpmd_runtime.replay import replay, unit_cost
 from piper_jax.mpmd_runtime.transport import TransferSpec, _lanes, make_exchange
 from piper_jax.mpmd_runtime.watchdog import FailureReport
 
@@ -43,6 +44,34 @@ def test_1f1b_pairs_each_gradient_with_the_next_activation() -> None:
     # both stages in one process: nothing to meet for
     one = {g: frozenset({0}) for g in plans.steps}
     assert exchange_sets(plans.order, plans.steps, one) == []
+
+
+@pytest.mark.parametrize("schedule", ["one_f_one_b", "zero_bubble_h1", "gpipe"])
+def test_a_lone_transfer_is_issued_after_the_receivers_work_due_with_it(schedule) -> None:
+    """Note [issue order]: a SEND that meets no other comes after every step starting at
+    the same replayed time, so the receiving process queues its ready work before it
+    blocks in the transfer (stage 1's first forward before the second activation's
+    transfer); SENDs that meet as one exchange keep their place."""
+    m = 8
+    directives = [piper.split({"PP": "*"}, num_microbatches=m)]
+    directives += [piper.place({"PP": s}, [s]) for s in range(2)]
+    directives += getattr(schedules, schedule)(2, m)
+    plans = piper.lower(
+        mlp_loss, StageMLP(2), optax.sgd(0.1), mlp_batches(1)[0], directives, 2
+    ).plans
+    start = replay(plans.steps, unit_cost).start
+    runs = exchange_sets(plans.order, plans.steps, one_process_per_device(plans.steps))
+    paired = {k for run in runs for k in run}
+    steps = [plans.steps[g[0]][i[0]] for g, i in plans.order]
+    starts = [start[g[0]][i[0]] for g, i in plans.order]
+    lone = [s.head.op == "SEND" and k not in paired for k, s in enumerate(steps)]
+    at = {str(s): k for k, s in enumerate(steps)}
+    assert at["F1.0"] < at["SEND F0.1 -> d1"]
+    for k in filter(lone.__getitem__, range(len(steps))):
+        due = [steps[j] for j in range(k + 1, len(steps)) if starts[j] == starts[k] and not lone[j]]
+        assert not due, f"{steps[k]} issued before {due}"
+    if schedule != "gpipe":  # the pairs of the steady state stay one exchange each
+        assert len(runs) == {"one_f_one_b": m - 2, "zero_bubble_h1": 3}[schedule]
 
 
 def synthetic(*rows: tuple[tuple[int, ...], str]) -> tuple[list, dict]:

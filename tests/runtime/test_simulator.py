@@ -251,18 +251,30 @@ def test_a_step_starts_once_its_host_has_issued_it() -> None:
     )
 
 
+def _issued_before(plans, first: str, then: str):
+    """`plans` with the step `first` moved to just before `then` in the issue order."""
+    order = list(plans.order)
+    at = {str(plans.steps[g[0]][i[0]]): k for k, (g, i) in enumerate(order)}
+    event = order.pop(at[first])
+    order.insert(at[then], event)
+    return dataclasses.replace(plans, order=order)
+
+
 def test_a_receiving_host_runs_a_transfer_its_devices_are_idle_for() -> None:
     """A transfer whose receiving devices have nothing queued runs on the receiver's host
     thread, so that host issues nothing more until it ends (Note [the host issues the
-    steps]): stage 1's first forward, issued after both activations are received (GPipe's
-    issue order), starts one issue after the second arrives."""
-    plans = pipeline_step("gpipe", 2, 2).plans
+    steps]): where stage 1's first forward is issued after both activations are received,
+    it starts one issue after the second arrives."""
+    plans = _issued_before(pipeline_step("gpipe", 2, 2).plans, "SEND F0.1 -> d1", "F1.0")
     costs = {**FB, "SEND": 0.5}
     processes = {0: 0, 1: 1}
 
     def first(timeline: list, label: str) -> object:
         return next(e for e in timeline if e.label == label)
 
+    # the plans' own order issues that forward first (Note [issue order] in replay.py)
+    own = simulate(pipeline_step("gpipe", 2, 2).plans, costs, processes=processes).timeline
+    assert first(own, "F1.0").start < first(own, "SEND F0.1 -> d1").start
     without = simulate(plans, costs, processes=processes).timeline
     assert first(without, "F1.0").start == first(without, "SEND F0.1 -> d1").end
     hosts = simulate(plans, {**costs, "DISPATCH": 0.01}, processes=processes).timeline
