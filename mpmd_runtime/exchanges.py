@@ -46,9 +46,14 @@ def exchange_sets(
     for position, (members, index) in enumerate(order):
         step = steps[members[0]][index[0]]
         head = step.head
-        involved = frozenset().union(*(processes[g] for g in members))
+        if run is None and head.op != SEND:
+            continue
+        if len(members) == 1:
+            involved = processes[members[0]]
+        else:
+            involved = frozenset().union(*(processes[g] for g in members))
         if head.op in (SEND, RECV):
-            involved |= processes[tuple(head.peer)]
+            involved = involved | processes[tuple(head.peer)]
         if head.op == SEND and len(step.instructions) == 1 and len(involved) > 1:
             sent = (members[0], head.value)
             if run is not None and run.processes == involved and sent not in run.touched:
@@ -57,7 +62,7 @@ def exchange_sets(
             close()
             run = _Run(involved, [position], set())
             continue
-        if run is None or not involved & run.processes:
+        if run is None or involved.isdisjoint(run.processes):
             continue
         if len(members) == 1 and all(i.op in (FREE, RECV) for i in step.instructions):
             run.touched.update((members[0], i.value) for i in step.instructions)
