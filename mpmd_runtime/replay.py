@@ -111,8 +111,8 @@ def replay(
                 step = plan[i]
                 head = step.instructions[0]
                 op = head.op
-                if op == ALL_REDUCE and tuple(head.peer) != g:
-                    members = groups_within(tuple(head.peer), tuple(groups))
+                if op == ALL_REDUCE:
+                    members = members_of(step, g, groups)
                     if len(members) > 1:
                         pc[g], free_at[g] = i, now
                         if any(pc[m] >= len(steps[m]) or steps[m][pc[m]] != step for m in members):
