@@ -49,7 +49,7 @@ from piper_jax.mpmd_runtime.instructions import (
 from piper_jax.mpmd_runtime.plans import Plans
 from piper_jax.mpmd_runtime.replay import Event
 from piper_jax.mpmd_runtime.simulator import TimelineEvent
-from piper_jax.mpmd_runtime.transport import Aval, host_to_group, is_local
+from piper_jax.mpmd_runtime.transport import Aval, is_local, microbatch_stager
 from piper_jax.mpmd_runtime.updates import ParamTree, UpdateProgram
 from piper_jax.mpmd_runtime.watchdog import FailureReport, StepWatchdog
 
@@ -220,6 +220,9 @@ class Executor:
         self.batch_leaves = {
             g: sorted({b for r in rt.regions_on(g) for b in rt.lifts[g].regions[r].batch_ids})
             for g in rt.local
+        }
+        self._stagers = {  # Note [staging a batch]
+            g: microbatch_stager(pg.stacked(rt.meshes[g]), num_microbatches) for g in rt.local
         }
         self.random_leaf, self.steps_done = random_leaf, 0
         self.losses: list[jax.Array] = []
@@ -504,19 +507,17 @@ class Executor:
         counts the step (the random counter's first entry)."""
         m = self.rt.num_microbatches
         for g in self.rt.local:
-            mesh = self.rt.meshes[g]
-            sharding, width = pg.stacked(mesh), pg.replicas(mesh)
+            width = pg.replicas(self.rt.meshes[g])
             needed = self.batch_leaves[g]
-            split = {
-                i: random_counters(self.steps_done, m, width)
+            split = [
+                random_counters(self.steps_done, m, width)
                 if i == self.random_leaf
                 else leaves[i].reshape((m, width, -1) + leaves[i].shape[1:])
                 for i in needed
-            }
-            for mb in range(m):
-                self.rt.stores[g][bf.batch(mb)] = {
-                    i: host_to_group(split[i][mb], sharding) for i in needed
-                }
+            ]
+            staged = self._stagers[g](split) if needed else [[]] * m
+            for mb, values in enumerate(staged):
+                self.rt.stores[g][bf.batch(mb)] = dict(zip(needed, values))
         self.steps_done += 1
 
     def run_recorded(self, batch_leaves: Sequence[np.ndarray]) -> list[TimelineEvent]:

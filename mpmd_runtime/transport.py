@@ -73,6 +73,28 @@ def host_to_group(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
+# Note [staging a batch]
+# Every step puts each batch leaf's microbatches onto each group that reads them, one
+# array per microbatch. Put one by one, that was microbatches x leaves host-to-device
+# copies, 15-25 us of host time each on CPU (m=16, 2 leaves: 0.47-0.94 ms a step on
+# 1-4 devices). On a group this process holds alone, each leaf now goes over in one copy
+# and one program cuts all of them into their microbatches (0.33-0.50 ms). A group
+# spanning processes keeps the copy per microbatch: a program over it would be a meeting
+# of the processes.
+
+
+def microbatch_stager(
+    sharding: NamedSharding, m: int
+) -> Callable[[Sequence[np.ndarray]], list[list[jax.Array]]]:
+    """A function placing leaves of `m` microbatches each (their leading axis, the same on
+    every process) onto a group, per microbatch (Note [staging a batch])."""
+    if m == 1 or not all(is_local(d) for d in sharding.mesh.devices.flat):
+        return lambda leaves: [[host_to_group(x[k], sharding) for x in leaves] for k in range(m)]
+    whole = NamedSharding(sharding.mesh, P(None, *sharding.spec))
+    cut = jax.jit(lambda xs: [[x[k] for x in xs] for k in range(m)], out_shardings=sharding)
+    return lambda leaves: cut([host_to_group(x, whole) for x in leaves])
+
+
 Transfer = Callable[[list[jax.Array] | None], tuple[list[jax.Array] | None, list[jax.Array]]]
 
 # Note [cheap small transfers]
