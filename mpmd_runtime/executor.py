@@ -515,8 +515,7 @@ class Executor:
                 else leaves[i].reshape((m, width, -1) + leaves[i].shape[1:])
                 for i in needed
             ]
-            staged = self._stagers[g](split) if needed else [[]] * m
-            for mb, values in enumerate(staged):
+            for mb, values in enumerate(self._stagers[g](split)):
                 self.rt.stores[g][bf.batch(mb)] = dict(zip(needed, values))
         self.steps_done += 1
 

@@ -92,7 +92,7 @@ def microbatch_stager(
         return lambda leaves: [[host_to_group(x[k], sharding) for x in leaves] for k in range(m)]
     whole = NamedSharding(sharding.mesh, P(None, *sharding.spec))
     cut = jax.jit(lambda xs: [[x[k] for x in xs] for k in range(m)], out_shardings=sharding)
-    return lambda leaves: cut([host_to_group(x, whole) for x in leaves])
+    return lambda leaves: cut([host_to_group(x, whole) for x in leaves]) if leaves else [[]] * m
 
 
 Transfer = Callable[[list[jax.Array] | None], tuple[list[jax.Array] | None, list[jax.Array]]]

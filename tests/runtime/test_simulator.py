@@ -254,7 +254,7 @@ def test_a_step_starts_once_its_host_has_issued_it() -> None:
 def _issued_before(plans, first: str, then: str):
     """`plans` with the step `first` moved to just before `then` in the issue order."""
     order = list(plans.order)
-    at = {str(plans.steps[g[0]][i[0]]): event for event in order for g, i in [event]}
+    at = {str(plans.steps[g[0]][i[0]]): (g, i) for g, i in order}
     order.remove(at[first])
     order.insert(order.index(at[then]), at[first])
     return dataclasses.replace(plans, order=order)

@@ -39,3 +39,4 @@ def test_a_local_group_takes_one_copy_per_leaf(monkeypatch: pytest.MonkeyPatch) 
     stage = transport.microbatch_stager(sharding, 8)
     stage(_leaves(8, 2))
     assert len(copies) == 2  # not 8 x 2
+    assert stage([]) == [[]] * 8 and len(copies) == 2  # a group reading no batch leaf
