@@ -82,10 +82,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--recompute",
         nargs="?",
         const="inputs",
-        choices=("inputs", "dots"),
+        choices=("inputs", "dots", "costly"),
         help="activation checkpointing: keep only each region's inputs, run its\n"
         "forward again in the backward; '--recompute dots' also keeps every matrix\n"
-        "product's output and recomputes only the elementwise work (not with\n"
+        "product's output and recomputes only the elementwise work; '--recompute\n"
+        "costly' recomputes only cheap elementwise and layout work (not with\n"
         "zb-h1 or dualpipev)",
     )
     group.add_argument(

@@ -13,7 +13,7 @@ from piper_jax.ir.layout import DeviceMesh, ParamLayout, group_str
 PASSES = ("F", "B", "BI", "BW")
 WEIGHT_GRAD_PASSES = ("B", "BW")
 # what a recomputed region's forward keeps for its backward (directives/types.Recompute)
-RECOMPUTE_KEEPS = ("inputs", "dots")
+RECOMPUTE_KEEPS = ("inputs", "dots", "costly")
 
 
 class NodeKind(enum.StrEnum):

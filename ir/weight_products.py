@@ -32,7 +32,6 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-import jax
 from piper_jax.ir import jax_compat as jc
 
 
@@ -78,11 +77,6 @@ def _swap_once(closed: jc.ClosedJaxpr) -> jc.ClosedJaxpr:
 
 
 def with_swapped_products(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn`, traced and run with `swap_transposed_products` applied to its jaxpr."""
-
-    def run(*args: Any) -> Any:
-        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-        outs = jc.run_jaxpr(swap_transposed_products(closed))(*jax.tree.leaves(args))
-        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
-
-    return run
+    """`fn`, traced and run with `swap_transposed_products` applied to its jaxpr (and to
+    the bodies of the checkpoints at its top level)."""
+    return jc.run_rewritten(fn, lambda c: swap_transposed_products(jc.inline_checkpoints(c)))

@@ -54,3 +54,39 @@ def test_a_step_keeps_no_freed_activation_alive() -> None:
     transfers = 2 * m * one_activation  # per microbatch an activation forward, a gradient back
     held = sum(x.nbytes for x in extra)
     assert held < transfers + one_activation, sorted(x.shape for x in extra)
+
+
+def test_keeping_costly_work_drops_cheap_elementwise_intermediates() -> None:
+    """Note [keeping only what costs work]: after a product, a tanh-approximated GELU's
+    forward keeps the product and the tanh under recompute(keep="costly"), not the
+    square, cube and sums between them that `jax.vjp` keeps by default."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from piper_jax import annotate
+
+    class GeluMLP(nnx.Module):
+        def __init__(self, width: int, hidden: int):
+            rngs = nnx.Rngs(0)
+            self.up = nnx.Linear(width, hidden, rngs=rngs)
+            self.down = nnx.Linear(hidden, width, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            with annotate("PP", 0):
+                return self.down(jax.nn.gelu(self.up(x), approximate=True))
+
+    def loss(model: GeluMLP, batch: dict) -> jax.Array:
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    width, hidden, rows = 16, 64, 8
+    batch = {"x": jnp.ones((rows, width)), "y": jnp.zeros((rows, width))}
+    hidden_array = rows * hidden * 4
+
+    def residuals(*directives: piper.Recompute) -> int:
+        step = piper.compile(loss, GeluMLP(width, hidden), optax.sgd(0.1), batch, directives)
+        return step._executor.residual_bytes((0,))
+
+    assert residuals() >= 5 * hidden_array  # 6.5 hidden-sized arrays
+    kept = residuals(piper.recompute({"PP": 0}, keep="costly"))
+    assert 2 * hidden_array <= kept <= 3 * hidden_array  # the product and the tanh
