@@ -97,8 +97,10 @@ def test_other_transposes_stay(fn) -> None:
         [piper.split({"PP": "*"}, num_microbatches=2), piper.place({"PP": 0}, [0])]
         + [piper.place({"PP": 1}, [1])]
         + schedules.zero_bubble_h1(2, 2),
+        # the backward's recomputation arrives as one checkpoint equation, opened first
+        [piper.replicate({"PP": "*"}, [0, 1]), piper.recompute({"PP": "*"}, keep="costly")],
     ],
-    ids=["dp2", "pp2_zbh1"],
+    ids=["dp2", "pp2_zbh1", "dp2_keep_costly"],
 )
 def test_backward_programs_ask_xla_for_no_transposed_product(directives: list) -> None:
     batch = mlp_batches(1)[0]

@@ -90,3 +90,20 @@ def test_keeping_costly_work_drops_cheap_elementwise_intermediates() -> None:
     assert residuals() >= 5 * hidden_array  # 6.5 hidden-sized arrays
     kept = residuals(piper.recompute({"PP": 0}, keep="costly"))
     assert 2 * hidden_array <= kept <= 3 * hidden_array  # the product and the tanh
+
+
+def test_a_checkpointed_forward_rounds_no_float32_residual() -> None:
+    """Note [keeping only what costs work]: `jax.checkpoint` rounds each residual it saves
+    to its own precision, a no-op for float32 that XLA:CPU still ran as kernels; the
+    forward program asks XLA for none of them."""
+    import re
+
+    directives = [piper.recompute({"PP": "*"}, keep="costly")]
+    batch = mlp_batches(1)[0]
+    step = piper.compile(mlp_loss, StageMLP(2, width=16), optax.sgd(0.1), batch, directives)
+    step(batch)
+    texts = step._executor.program_texts(optimized=False)
+    forward = {label: t for label, t in texts.items() if re.search(r"\bF\d", label)}
+    assert forward, sorted(texts)
+    for label, text in forward.items():
+        assert "reduce_precision" not in text, label
