@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -68,6 +69,18 @@ def mlp_batches(steps: int, batch_size: int = 16, seed: int = 0) -> list[dict]:
         }
         for _ in range(steps)
     ]
+
+
+def mlp_program_texts(directives: list, label_pattern: str) -> dict[str, str]:
+    """The StableHLO piper-jax hands XLA for each program of one StageMLP(2, width=16)
+    step under `directives` whose plan step matches `label_pattern` (a regex), by label."""
+    batch = mlp_batches(1)[0]
+    step = piper.compile(mlp_loss, StageMLP(2, width=16), optax.sgd(0.1), batch, directives)
+    step(batch)
+    texts = step._executor.program_texts(optimized=False)
+    matched = {label: t for label, t in texts.items() if re.search(label_pattern, label)}
+    assert matched, sorted(texts)
+    return matched
 
 
 _COMPILED: collections.Counter = collections.Counter()  # XLA compilations by function name

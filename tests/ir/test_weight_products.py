@@ -10,9 +10,8 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from helpers import StageMLP, mlp_batches, mlp_loss
+from helpers import mlp_program_texts
 from piper_jax.ir import jax_compat as jc
 from piper_jax.ir.weight_products import swap_transposed_products, with_swapped_products
 
@@ -103,12 +102,7 @@ def test_other_transposes_stay(fn) -> None:
     ids=["dp2", "pp2_zbh1", "dp2_keep_costly"],
 )
 def test_backward_programs_ask_xla_for_no_transposed_product(directives: list) -> None:
-    batch = mlp_batches(1)[0]
-    step = piper.compile(mlp_loss, StageMLP(2, width=16), optax.sgd(0.1), batch, directives)
-    step(batch)
-    texts = step._executor.program_texts(optimized=False)
-    backward = {label: t for label, t in texts.items() if re.search(r"\bB[IW]?\d", label)}
-    assert backward, sorted(texts)
+    backward = mlp_program_texts(directives, r"\bB[IW]?\d")
     products = 0
     for label, text in backward.items():
         direct = set(re.findall(r"(%\S+) = stablehlo\.dot_general (?!.*batching_dims)", text))

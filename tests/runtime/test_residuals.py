@@ -4,7 +4,7 @@ weights for its backward, so a pipeline holds activations only between F and B."
 from __future__ import annotations
 
 import optax
-from helpers import StageMLP, mlp_batches, mlp_loss
+from helpers import StageMLP, mlp_batches, mlp_loss, mlp_program_texts
 
 import piper_jax as piper
 
@@ -96,14 +96,6 @@ def test_a_checkpointed_forward_rounds_no_float32_residual() -> None:
     """Note [keeping only what costs work]: `jax.checkpoint` rounds each residual it saves
     to its own precision, a no-op for float32 that XLA:CPU still ran as kernels; the
     forward program asks XLA for none of them."""
-    import re
-
-    directives = [piper.recompute({"PP": "*"}, keep="costly")]
-    batch = mlp_batches(1)[0]
-    step = piper.compile(mlp_loss, StageMLP(2, width=16), optax.sgd(0.1), batch, directives)
-    step(batch)
-    texts = step._executor.program_texts(optimized=False)
-    forward = {label: t for label, t in texts.items() if re.search(r"\bF\d", label)}
-    assert forward, sorted(texts)
+    forward = mlp_program_texts([piper.recompute({"PP": "*"}, keep="costly")], r"\bF\d")
     for label, text in forward.items():
         assert "reduce_precision" not in text, label
