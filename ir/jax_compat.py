@@ -141,25 +141,16 @@ def inline_checkpoints(closed: ClosedJaxpr) -> ClosedJaxpr:
     eqns: list[JaxprEqn] = []
     renamed: dict[Var, Any] = {}
     inlined: set[int] = set()
-
-    def atom(a: Any) -> Any:
-        return renamed.get(a, a) if is_var(a) else a
-
     for eqn in closed.jaxpr.eqns:
         body = eqn.params.get("jaxpr")
         if eqn.primitive.name != "remat2" or id(body) in inlined or body.constvars:
-            eqns.append(eqn.replace(invars=[atom(a) for a in eqn.invars]))
+            eqns.append(_renamed_eqn(eqn, renamed))
             continue
         inlined.add(id(body))  # its variables may appear once in the result
-        inner = dict(zip(body.invars, (atom(a) for a in eqn.invars)))
-        for e in body.eqns:
-            eqns.append(e.replace(invars=[inner.get(a, a) if is_var(a) else a for a in e.invars]))
-        for out, value in zip(eqn.outvars, body.outvars):
-            renamed[out] = inner.get(value, value) if is_var(value) else value
-    if not inlined:
-        return closed
-    jaxpr = closed.jaxpr.replace(eqns=eqns, outvars=[atom(a) for a in closed.jaxpr.outvars])
-    return ClosedJaxpr(jaxpr, list(closed.consts))
+        inner = dict(zip(body.invars, (_renamed(a, renamed) for a in eqn.invars)))
+        eqns += [_renamed_eqn(e, inner) for e in body.eqns]
+        renamed.update({out: _renamed(v, inner) for out, v in zip(eqn.outvars, body.outvars)})
+    return _with_eqns_renamed(closed, eqns, renamed) if inlined else closed
 
 
 def drop_noop_rounding(closed: ClosedJaxpr) -> ClosedJaxpr:
@@ -169,19 +160,29 @@ def drop_noop_rounding(closed: ClosedJaxpr) -> ClosedJaxpr:
     XLA:CPU still ran them as kernels of their own: some 5% of a ZeRO-3 GPT step."""
     eqns: list[JaxprEqn] = []
     renamed: dict[Var, Any] = {}
-
-    def atom(a: Any) -> Any:
-        return renamed.get(a, a) if is_var(a) else a
-
     for eqn in closed.jaxpr.eqns:
         if eqn.primitive.name == "reduce_precision" and _rounds_to_itself(eqn):
-            renamed[eqn.outvars[0]] = atom(eqn.invars[0])
+            renamed[eqn.outvars[0]] = _renamed(eqn.invars[0], renamed)
         else:
-            eqns.append(eqn.replace(invars=[atom(a) for a in eqn.invars]))
-    if not renamed:
-        return closed
-    jaxpr = closed.jaxpr.replace(eqns=eqns, outvars=[atom(a) for a in closed.jaxpr.outvars])
-    return ClosedJaxpr(jaxpr, list(closed.consts))
+            eqns.append(_renamed_eqn(eqn, renamed))
+    return _with_eqns_renamed(closed, eqns, renamed) if renamed else closed
+
+
+def _renamed(atom: Any, renamed: dict[Var, Any]) -> Any:
+    return renamed.get(atom, atom) if is_var(atom) else atom
+
+
+def _renamed_eqn(eqn: JaxprEqn, renamed: dict[Var, Any]) -> JaxprEqn:
+    return eqn.replace(invars=[_renamed(a, renamed) for a in eqn.invars])
+
+
+def _with_eqns_renamed(
+    closed: ClosedJaxpr, eqns: Sequence[JaxprEqn], renamed: dict[Var, Any]
+) -> ClosedJaxpr:
+    """`closed` with `eqns` and its outputs read through `renamed` (a variable -> the
+    atom now holding its value)."""
+    outvars = [_renamed(a, renamed) for a in closed.jaxpr.outvars]
+    return ClosedJaxpr(closed.jaxpr.replace(eqns=list(eqns), outvars=outvars), list(closed.consts))
 
 
 def _rounds_to_itself(eqn: JaxprEqn) -> bool:

@@ -285,8 +285,9 @@ class RegionPrograms:
         trace records it (tracing the region's VJP is a good part of a program's build:
         0.28 s of a small GPT's 3.4 s to its first step); a backward or a BI/BW split
         traced before it traces the forward abstractly for it, as the forward's program:
-        which residuals a VJP holds depends on where it is traced (a `jax.checkpoint`
-        traced bare keeps a constant that it keeps as a value inside `shard_map`)."""
+        which residuals a VJP holds can depend on where it is traced (a `jax.checkpoint`
+        traced bare kept a scalar as a constant that it kept as a residual inside
+        `shard_map`)."""
         if self._structure is None:
             n_p, n_b = len(self.region.param_ids), len(self.region.batch_ids)
             width = replicas(self.mesh)
