@@ -282,7 +282,8 @@ class Recompute:
     """Activation checkpointing: F keeps for B only its inputs ("inputs": B runs the
     forward again), or also every matrix product's output ("dots": B recomputes only
     the elementwise work between them), or every intermediate but cheap elementwise and
-    layout work ("costly": products, transcendental functions, reductions, gathers)."""
+    layout work ("costly": products, divisions, transcendental functions, reductions,
+    gathers)."""
 
     filter: dict
     keep: str = "inputs"

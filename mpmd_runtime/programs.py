@@ -166,13 +166,16 @@ def pull_back(vjp: Callable, cotangents: Any, swap_products: bool) -> Any:
 # hidden layer. Within one jit XLA fuses those into the backward's kernels; between
 # separate programs F writes each one and B reads it back, and a pipeline holds them for
 # every microbatch in flight. `recompute(keep="costly")` keeps what costs work to compute
-# (matrix products, transcendental functions, reductions, gathers, random bits) and has
+# (matrix products, divisions, transcendental functions, reductions, gathers, random
+# bits) and has
 # the backward recompute the cheap elementwise and layout work from those inside its own
 # kernels (`jax.checkpoint` with a policy; no CSE barrier, as F and B are separate
 # programs). The example GPT (d_model 128, 4 layers, 8 sequences of 128 per replica) then
-# keeps 82 arrays of 37.2 MiB per microbatch instead of 157 of 100.8 MiB, with the same
-# losses; its data-parallel step took the same time (0.94x a pjit step either way) and
-# its ZeRO-3 step 1.03x against 0.99x (14 rounds). So it is not the default.
+# keeps 90 arrays of 45.2 MiB per microbatch instead of 157 of 100.8 MiB, with the same
+# losses. Against a pjit step in the same runs its data-parallel step took 0.89x against
+# 0.94x keeping everything, its ZeRO-3 step 1.02-1.04x against 1.01-1.03x (two runs).
+# Recomputing divisions too (the softmax's) kept 37.2 MiB but made those steps 0.92x and
+# 1.05x. Not the default: ZeRO-3 still pays a little, and it rests on few runs.
 # Two things make a checkpointed region run as fast as it can: the backward's
 # recomputation arrives as a `jax.checkpoint` equation, which `jax_compat.
 # inline_checkpoints` opens so that the weight-gradient rewrite and the BI/BW cut see its
@@ -182,7 +185,7 @@ def pull_back(vjp: Callable, cotangents: Any, swap_products: bool) -> Any:
 # (`jax_compat.drop_noop_rounding`).
 RECOMPUTED_PRIMITIVES = frozenset(
     {
-        *("add", "sub", "mul", "neg", "div", "max", "min", "abs", "sign", "square"),
+        *("add", "sub", "mul", "neg", "max", "min", "abs", "sign", "square"),
         *("integer_pow", "select_n", "clamp", "convert_element_type", "copy", "copy_p"),
         *("eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor"),
         *("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "rev"),
