@@ -199,8 +199,14 @@ def run_rewritten(
     """`fn`, traced to a jaxpr, rewritten by `rewrite` and run (its outputs as `fn`
     returns them; an output that is an input stays that very object)."""
 
+    def traced(*args: Any) -> Any:
+        return fn(*args)
+
     def run(*args: Any) -> Any:
-        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        # traced through a plain function: JAX names a traced callable that has no code
+        # object (a `jax.vjp` pullback) by printing it, its whole jaxpr (0.1 s of a small
+        # GPT's backward trace, growing with the model)
+        closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(*args)
         outs = run_jaxpr(rewrite(closed))(*jax.tree.leaves(args))
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 

@@ -1,5 +1,6 @@
-"""The array assembler of the runtime's transfers: JAX's checked constructor on the first
-call, the same arrays without the checks after."""
+"""The array assembler of the runtime's transfers (JAX's checked constructor on the first
+call, the same arrays without the checks after), and jaxpr rewrites run in place of a
+function."""
 
 import jax
 import jax.numpy as jnp
@@ -36,3 +37,34 @@ def test_first_call_checks_the_arrays():
     wrong = [jnp.zeros((1, 4), device=d) for d in jax.devices()[:2]]
     with pytest.raises(ValueError):
         assemble(wrong)
+
+
+class _Pullback:
+    """A callable without a code object, like a `jax.vjp` pullback, that counts how often
+    it is printed (printing a pullback prints its whole jaxpr)."""
+
+    printed = 0
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.sin(x) * 2
+
+    def __str__(self) -> str:
+        _Pullback.printed += 1
+        return "pullback"
+
+    __repr__ = __str__
+
+
+def test_run_rewritten_runs_the_rewrite_without_printing_the_function():
+    fn = _Pullback()
+    seen = []
+
+    def rewrite(closed):
+        seen.append([e.primitive.name for e in closed.jaxpr.eqns])
+        return closed
+
+    x = jnp.arange(3.0)
+    got = jax.jit(jax_compat.run_rewritten(fn, rewrite))(x)
+    np.testing.assert_allclose(np.asarray(got), np.sin(np.arange(3.0)) * 2, rtol=1e-6)
+    assert seen == [["sin", "mul"]]
+    assert _Pullback.printed == 0
