@@ -211,6 +211,34 @@ def with_recompute_policy(fn: Callable, keep: str) -> Callable:
     return fn
 
 
+def linearize_region(
+    region: Region,
+    float_in: Sequence[bool],
+    float_out: Sequence[bool],
+    keep: str,
+    params: list,
+    batch: list,
+    acts: list,
+) -> tuple[list, Any]:
+    """`region`'s outputs and the VJP of its float outputs (`float_out`) with respect to
+    its parameters and float activation inputs (`float_in`), keeping what `keep` says
+    (`with_recompute_policy`)."""
+
+    def differentiable(p: list, fa: list) -> tuple[list, list]:
+        it = iter(fa)
+        outs = region.fn(p, batch, [next(it) if f else a for a, f in zip(acts, float_in)])
+        return (
+            [o for o, f in zip(outs, float_out) if f],
+            [o for o, f in zip(outs, float_out) if not f],
+        )
+
+    float_acts = [a for a, f in zip(acts, float_in) if f]
+    differentiable = with_recompute_policy(differentiable, keep)
+    f_outs, vjp, i_outs = jax.vjp(differentiable, params, float_acts, has_aux=True)
+    fi, ii = iter(f_outs), iter(i_outs)
+    return [next(fi) if f else next(ii) for f in float_out], vjp
+
+
 class RegionPrograms:
     """The passes of one region on one device group, as functions of global arrays.
 
@@ -333,20 +361,9 @@ class RegionPrograms:
     # ---- per-replica functions (inside shard_map every stacked value has leading axis 1)
 
     def _linearize(self, params: list, batch: list, acts: list) -> tuple[list, Any]:
-        def differentiable(p: list, fa: list) -> tuple[list, list]:
-            it = iter(fa)
-            full = [next(it) if f else a for a, f in zip(acts, self.float_in)]
-            outs = self.region.fn(p, batch, full)
-            return (
-                [o for o, f in zip(outs, self.float_out) if f],
-                [o for o, f in zip(outs, self.float_out) if not f],
-            )
-
-        float_acts = [a for a, f in zip(acts, self.float_in) if f]
-        differentiable = with_recompute_policy(differentiable, self.keep)
-        f_outs, vjp, i_outs = jax.vjp(differentiable, params, float_acts, has_aux=True)
-        fi, ii = iter(f_outs), iter(i_outs)
-        return [next(fi) if f else next(ii) for f in self.float_out], vjp
+        return linearize_region(
+            self.region, self.float_in, self.float_out, self.keep, params, batch, acts
+        )
 
     def _seeds(self, cots: list) -> list:
         """The cotangent of each float output: consumers' contributions plus the loss seed.

@@ -14,6 +14,7 @@ timed once. Each time is the fastest of a few runs after a warm-up run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -26,7 +27,7 @@ from flax import nnx
 
 from piper_jax.ir.dag import NodeKind, TrainingDAG
 from piper_jax.ir.lift import LiftedLoss, Region
-from piper_jax.mpmd_runtime.programs import pull_back, swaps_products, with_recompute_policy
+from piper_jax.mpmd_runtime.programs import linearize_region, pull_back, swaps_products
 from piper_jax.mpmd_runtime.simulator import TimelineEvent, peak_activations
 from piper_jax.rng import COUNTER_AVAL
 
@@ -66,21 +67,7 @@ def _linearize(region: Region, lifted: LiftedLoss, keep: str = "") -> Callable:
     """(params, batch, acts) -> (outputs, the VJP of the float outputs), the VJP keeping
     what `keep` says (programs.with_recompute_policy)."""
     float_in, float_out = _float_parts(region, lifted)
-
-    def linearize(params: list, batch: list, acts: list) -> tuple[list, Any]:
-        def differentiable(p: list, fa: list) -> tuple[list, list]:
-            it = iter(fa)
-            outs = region.fn(p, batch, [next(it) if f else a for a, f in zip(acts, float_in)])
-            kept = [o for o, f in zip(outs, float_out) if f]
-            return kept, [o for o, f in zip(outs, float_out) if not f]
-
-        floats = [a for a, f in zip(acts, float_in) if f]
-        differentiable = with_recompute_policy(differentiable, keep)
-        f_outs, vjp, i_outs = jax.vjp(differentiable, params, floats, has_aux=True)
-        fi, ii = iter(f_outs), iter(i_outs)
-        return [next(fi) if f else next(ii) for f in float_out], vjp
-
-    return linearize
+    return functools.partial(linearize_region, region, float_in, float_out, keep)
 
 
 def residual_bytes(region: Region, lifted: LiftedLoss, keep: str = "") -> int:
