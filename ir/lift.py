@@ -31,6 +31,7 @@ from typing import Any
 import jax.numpy as jnp
 from piper_jax.ir import jax_compat as jc
 from piper_jax.ir.errors import AnnotationError
+from piper_jax.ir.fingerprint import region_fingerprint
 from piper_jax.ir.regions import RegionKey, region_str
 from piper_jax.ir.segments import assign_regions
 
@@ -62,6 +63,7 @@ class Region:
     loss_position: int | None
     fn: Callable[..., list[Any]]
     absorbed: tuple[str, ...] = ()
+    fingerprint: str = ""  # equal for regions computing the same function (ir/fingerprint.py)
 
     @property
     def tags(self) -> dict[str, int]:
@@ -157,9 +159,9 @@ def lift(
         a_vars = sorted(set(a_vars), key=position.__getitem__)
         c_vars = list(dict.fromkeys(c_vars))
         assert all(position[v][0] < r for v in a_vars), "regions read earlier regions only"
-        fn = jc.sub_jaxpr_fn(
-            c_vars, [const_value[v] for v in c_vars], p_vars + b_vars + a_vars, outputs[r], r_eqns
-        )
+        consts = [const_value[v] for v in c_vars]
+        invars = p_vars + b_vars + a_vars
+        fn = jc.sub_jaxpr_fn(c_vars, consts, invars, outputs[r], r_eqns)
         regions.append(
             Region(
                 index=r,
@@ -174,6 +176,7 @@ def lift(
                 loss_position=outputs[r].index(loss_var) if loss_var in outputs[r] else None,
                 fn=_as_region_fn(fn, len(p_vars), len(b_vars)),
                 absorbed=assignment.absorbed[r],
+                fingerprint=region_fingerprint(c_vars, consts, invars, outputs[r], r_eqns),
             )
         )
     return LiftedLoss(
