@@ -78,8 +78,10 @@ class PassIO:
     store and puts its outputs: shared by every pass's piece."""
 
     def __init__(self, rt: Runtime, g: Group, label: Label):
-        self.programs = programs = rt.programs(label.region, g)
-        self.region = region = programs.region
+        # a twin region's programs may be another region's (Note [twin regions share
+        # programs]): the wiring below is this region's own
+        self.programs = rt.programs(label.region, g)
+        self.region = region = rt.lifts[g].regions[label.region]
         mb = label.microbatch
         self.param_reads = rt.ctx.param_inputs(g, label)
         self.gathered = len(self.param_reads) == 1 and self.param_reads[0].kind is bf.Kind.VALUE
@@ -87,7 +89,8 @@ class PassIO:
         self.batch_buf = bf.batch(mb)
         self.acts = [(bf.value(f"F{a.region}.{mb}"), a.position) for a in region.act_inputs]
         self.cots = [
-            bf.value(f"{rt.ctx.cotangent_pass(c, mb)}{c}.{mb}") for c in programs.consumers
+            bf.value(f"{rt.ctx.cotangent_pass(c, mb)}{c}.{mb}")
+            for c in rt.ctx.cotangent_consumers(label.region)
         ]
         self.accs = [bf.acc(n) for n in rt.ctx.names(region.param_ids)]
         self.sharded = rt.ctx.zero_level[g] >= 2  # gradients go to a reduce-scatter

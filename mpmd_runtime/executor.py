@@ -50,6 +50,7 @@ from piper_jax.mpmd_runtime.plans import Plans
 from piper_jax.mpmd_runtime.replay import Event
 from piper_jax.mpmd_runtime.simulator import TimelineEvent
 from piper_jax.mpmd_runtime.transport import Aval, is_local, microbatch_stager
+from piper_jax.mpmd_runtime.twins import twin_regions
 from piper_jax.mpmd_runtime.updates import ParamTree, UpdateProgram
 from piper_jax.mpmd_runtime.watchdog import FailureReport, StepWatchdog
 
@@ -90,6 +91,7 @@ class Runtime:
         self.mailbox: dict[tuple[str, Group], Any] = {}
         self._programs: dict[tuple[int, Group], pg.RegionPrograms] = {}
         self._updates: dict[tuple[int, Group], UpdateProgram] = {}
+        self._twins: dict[Group, dict[int, int]] = {}
         self.loss_seed = 1.0 / (num_microbatches * pg.replicas(self.meshes[self.loss_group]))
 
     @functools.cached_property
@@ -141,6 +143,11 @@ class Runtime:
         return any(specs.get(p, (None,))[0] == EP for p in region.param_ids)
 
     def programs(self, region: int, g: Group) -> pg.RegionPrograms:
+        """The programs of `region`'s passes on g: its first twin's (Note [twin regions
+        share programs] in twins.py), which record their VJP's residuals once for all."""
+        first = self.twins(g).get(region, region)
+        if first != region:
+            return self.programs(first, g)
         if (region, g) not in self._programs:
             lifted = self.lifts[g]
             self._programs[(region, g)] = pg.RegionPrograms(
@@ -175,6 +182,19 @@ class Runtime:
 
     def regions_on(self, g: Group) -> list[int]:
         return sorted({i.region for i in self.plans.plans[g] if i.op == RUN})
+
+    def twins(self, g: Group) -> dict[int, int]:
+        """Each region g runs, mapped to its first twin (Note [twin regions share
+        programs] in twins.py)."""
+        if g not in self._twins:
+            self._twins[g] = twin_regions(
+                self.lifts[g],
+                self.regions_on(g),
+                self.ctx.recompute,
+                self.plans.tensor.get(g, {}),
+                lambda region: self.holds_experts(region, g),
+            )
+        return self._twins[g]
 
 
 class Executor:
@@ -347,7 +367,7 @@ class Executor:
             donated += [b for b in inputs if b in produced and b.kind is bf.Kind.ACC]
             donated = list(dict.fromkeys(donated))
         kept = [b for b in inputs if b not in donated]
-        key = _signature(g, step, donated, kept, outputs)
+        key = _signature(g, step, pieces, self.rt.twins(g), donated, kept, outputs)
         if key not in self._unit_programs:
 
             def program(donated_values: list, kept_values: list) -> list:
@@ -717,19 +737,46 @@ def _runs_in_lockstep(meshes: Any) -> bool:
     )
 
 
-def _signature(g: Group, step: Step, *buffers: list[bf.Buffer]) -> tuple:
+def _signature(
+    g: Group,
+    step: Step,
+    pieces: Sequence[binders.Piece],
+    twins: Mapping[int, int],
+    *buffers: Sequence[bf.Buffer],
+) -> tuple:
     """What a fused step computes, up to its microbatches (renumbered in order of
-    appearance): steps with one signature can run one compiled program."""
+    appearance) and, for a step of passes only, up to which of twin regions it runs (Note
+    [twin regions share programs] in twins.py): steps with one signature can run one
+    compiled program. Buffers count by where the step's pieces first read or write them,
+    not by name, so that `buffers` (its inputs and outputs) line up between such steps."""
     seen: dict[str, int] = {}
 
-    def canonical(text: str) -> str:
-        return _MICROBATCH.sub(lambda m: f".#{seen.setdefault(m.group(1), len(seen))}", text)
+    def microbatch(m: str | int | None) -> str:
+        return "" if m is None else f".#{seen.setdefault(str(m), len(seen))}"
 
-    return (
-        g,
-        tuple(canonical(str(i)) for i in step.instructions),
-        *(tuple(canonical(str(b)) for b in group) for group in buffers),
-    )
+    if all(i.op == RUN for i in step.instructions):
+        instructions = tuple(
+            f"{i.pass_}{twins.get(i.region, i.region)}{microbatch(i.microbatch)}"
+            for i in step.instructions
+        )
+    else:
+        instructions = tuple(
+            _MICROBATCH.sub(lambda m: microbatch(m.group(1)), str(i)) for i in step.instructions
+        )
+    role: dict[bf.Buffer, tuple] = {}
+    wiring = []
+    for k, piece in enumerate(pieces):
+        for side, group in (("r", piece.access.reads), ("w", piece.access.writes)):
+            for j, b in enumerate(group):
+                role.setdefault(b, (b.kind.value, k, side, j))
+        wiring.append(
+            (
+                tuple(role[b] for b in piece.access.reads),
+                tuple(role[b] for b in piece.access.writes),
+                tuple(sorted(role[b] for b in piece.access.consumes if b in role)),
+            )
+        )
+    return (g, instructions, tuple(wiring), *(tuple(role[b] for b in group) for group in buffers))
 
 
 def rewrites_state_in_place(devices: Sequence[jax.Device]) -> bool:
