@@ -11,6 +11,7 @@ process skips the steps of groups it holds no device of; a group may span proces
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import re
 import time
@@ -44,6 +45,7 @@ from piper_jax.mpmd_runtime.instructions import (
     RUN,
     SEND,
     Instruction,
+    Label,
     Step,
 )
 from piper_jax.mpmd_runtime.plans import Plans
@@ -367,7 +369,7 @@ class Executor:
             donated += [b for b in inputs if b in produced and b.kind is bf.Kind.ACC]
             donated = list(dict.fromkeys(donated))
         kept = [b for b in inputs if b not in donated]
-        key = _signature(g, step, pieces, self.rt.twins(g), donated, kept, outputs)
+        key = _signature(g, step, pieces, self._twin_names(g), donated, kept, outputs)
         if key not in self._unit_programs:
 
             def program(donated_values: list, kept_values: list) -> list:
@@ -400,6 +402,25 @@ class Executor:
             return values
 
         return run, UnitCall(key, g, donated, kept, outputs, jitted)
+
+    def _twin_names(self, g: Group) -> Callable[[Instruction], Label | None]:
+        """For a step's signature: the label of an instruction's pass as run by its
+        region's first twin on g (Note [twin regions share programs]); None where the
+        instruction is not named after a pass that twins share (an update, a transfer, a
+        reduction over several regions, an all-to-all, a reduce-scatter of a bucket of a
+        region's gradients). The gather and reduce-scatter serving a ZeRO pass move all
+        of that region's parameters, by their shapes alone."""
+        twins, param_sets = self.rt.twins(g), self.rt.ctx.param_sets
+
+        def twin_name(ins: Instruction) -> Label | None:
+            label = ins.label
+            if label is None or ins.op not in (RUN, ALL_GATHER, REDUCE_SCATTER):
+                return None
+            if ins.op == REDUCE_SCATTER and ins.value in param_sets:  # a bucket
+                return None
+            return dataclasses.replace(label, region=twins.get(label.region, label.region))
+
+        return twin_name
 
     def program_texts(self, optimized: bool = True) -> dict[str, str]:
         """The optimized HLO of every distinct program that has run, by the first plan
@@ -741,28 +762,24 @@ def _signature(
     g: Group,
     step: Step,
     pieces: Sequence[binders.Piece],
-    twins: Mapping[int, int],
+    twin_name: Callable[[Instruction], Label | None],
     *buffers: Sequence[bf.Buffer],
 ) -> tuple:
     """What a fused step computes, up to its microbatches (renumbered in order of
-    appearance) and, for a step of passes only, up to which of twin regions it runs (Note
-    [twin regions share programs] in twins.py): steps with one signature can run one
-    compiled program. Buffers count by where the step's pieces first read or write them,
-    not by name, so that `buffers` (its inputs and outputs) line up between such steps."""
+    appearance) and up to which of twin regions its passes run (`twin_name`, Note [twin
+    regions share programs] in twins.py): steps with one signature can run one compiled
+    program. Buffers count by where the step's pieces first read or write them, not by
+    name, so that `buffers` (its inputs and outputs) line up between such steps."""
     seen: dict[str, int] = {}
 
-    def microbatch(m: str | int | None) -> str:
-        return "" if m is None else f".#{seen.setdefault(str(m), len(seen))}"
+    def renumbered(text: str) -> str:
+        return _MICROBATCH.sub(lambda m: f".#{seen.setdefault(m.group(1), len(seen))}", text)
 
-    if all(i.op == RUN for i in step.instructions):
-        instructions = tuple(
-            f"{i.pass_}{twins.get(i.region, i.region)}{microbatch(i.microbatch)}"
-            for i in step.instructions
-        )
-    else:
-        instructions = tuple(
-            _MICROBATCH.sub(lambda m: microbatch(m.group(1)), str(i)) for i in step.instructions
-        )
+    instructions = []
+    for ins in step.instructions:
+        twin = twin_name(ins)
+        text = str(ins) if twin is None else str(ins).replace(str(ins.label), str(twin), 1)
+        instructions.append(renumbered(text))
     role: dict[bf.Buffer, tuple] = {}
     wiring = []
     for k, piece in enumerate(pieces):
@@ -776,7 +793,8 @@ def _signature(
                 tuple(sorted(role[b] for b in piece.access.consumes if b in role)),
             )
         )
-    return (g, instructions, tuple(wiring), *(tuple(role[b] for b in group) for group in buffers))
+    keyed = (tuple(instructions), tuple(wiring))
+    return (g, *keyed, *(tuple(role[b] for b in group) for group in buffers))
 
 
 def rewrites_state_in_place(devices: Sequence[jax.Device]) -> bool:

@@ -14,10 +14,17 @@ from piper_jax import schedules
 OPT = optax.adam(1e-2)
 
 
-def labels_of_group(step, group: str) -> list[str]:
-    """The plan steps (up to microbatch) whose programs group `group` compiled."""
+def programs_of_stages_1_and_2(step, group: str) -> list[str]:
+    """The plan steps whose programs `group` compiled, with stages 1 and 2 both written
+    "s" (each program is named after the first step that ran it, of either stage)."""
     texts = step._executor.program_texts(optimized=False)
-    return sorted(re.sub(r"\.\d+", "", label) for label in texts if label.startswith(group))
+    labels = [re.sub(r"\.\d+", "", label) for label in texts if label.startswith(group)]
+    return sorted(re.sub(r"(F|B|BI|BW)[12]\b", r"\1s", label) for label in labels)
+
+
+def assert_shared(programs: list[str]) -> None:
+    """No two programs differ only in which of the twin stages 1 and 2 they run."""
+    assert len(set(programs)) == len(programs), programs
 
 
 def test_dualpipev_middle_stages_share_their_programs() -> None:
@@ -29,13 +36,10 @@ def test_dualpipev_middle_stages_share_their_programs() -> None:
     )
     step = check_mlp_strategy(directives, OPT, num_stages=4)
     assert step._executor.rt.twins((1,)) == {1: 1, 2: 1}
-    on_device_1 = labels_of_group(step, "d1:")
-    # each program is named after the first step that ran it, of stage 1 or of stage 2:
-    # no two programs differ only in which of the two they run
-    as_either = [re.sub(r"(F|B|BI|BW)[12]\b", r"\1s", label) for label in on_device_1]
-    assert len(set(as_either)) == len(as_either), on_device_1
+    on_device_1 = programs_of_stages_1_and_2(step, "d1:")
+    assert_shared(on_device_1)
     for passes in ("Fs", "Bs", "BIs", "BWs", "Fs + Bs"):
-        assert f"d1: {passes}" in as_either, on_device_1
+        assert f"d1: {passes}" in on_device_1, on_device_1
     assert {"d1: UPD1", "d1: UPD2"} <= set(on_device_1)  # updates: one per stage
 
 
@@ -47,3 +51,14 @@ def test_data_parallel_stages_share_programs_unless_their_forward_keeps_differen
     batch = mlp_batches(1)[0]
     step = piper.compile(mlp_loss, StageMLP(4), OPT, batch, recomputed)
     assert step._executor.rt.twins((0, 1)) == {0: 0, 1: 1, 2: 2, 3: 3}
+
+
+def test_zero3_gathers_and_reduce_scatters_of_twins_share_programs() -> None:
+    directives = [
+        piper.split({"PP": "*"}, num_microbatches=2),
+        piper.replicate({"PP": "*"}, [0, 1], shard_params=True),
+    ]
+    step = check_mlp_strategy(directives, OPT, num_stages=4)
+    programs = programs_of_stages_1_and_2(step, "d0,1:")
+    assert_shared(programs)
+    assert "d0,1: ALL_GATHER param[Fs] d0,1 + Fs" in programs, programs
