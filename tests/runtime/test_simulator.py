@@ -138,10 +138,12 @@ def test_write_timeline_png_and_json(tmp_path) -> None:
 
 
 def test_measured_costs_and_timeline(tmp_path) -> None:
-    """An instrumented real step: per-pass seconds for simulate(), and a real timeline."""
+    """An instrumented real step: per-pass seconds for simulate(), and a real timeline.
+    Wide enough that a backward outlasts the host's issue time, which `measure_costs`
+    takes off each pass (at width 16 a loaded machine's issue time swallowed it)."""
     step = piper.compile(
         mlp_loss,
-        StageMLP(2),
+        StageMLP(2, width=256),
         optax.sgd(0.1),
         mlp_batches(1)[0],
         [
