@@ -31,44 +31,31 @@ def region_fingerprint(
 ) -> str:
     """The fingerprint of `eqns` as a function of `invars` returning `outvars`; "" (the
     twin of no region) when a value in them has no form to compare."""
-    try:
-        return _fingerprint(constvars, consts, invars, outvars, eqns)
-    except Exception:  # noqa: BLE001 - sharing programs is an optimization: decline it
-        return ""
-
-
-def _fingerprint(
-    constvars: Sequence[Any],
-    consts: Sequence[Any],
-    invars: Sequence[Any],
-    outvars: Sequence[Any],
-    eqns: Sequence[Any],
-) -> str:
     digest = hashlib.sha256()
     ids: dict[Any, int] = {}
-
-    def name(var: Any) -> None:
-        ids[var] = len(ids)
 
     def atom(a: Any) -> str:
         if jc.is_var(a):
             return f"v{ids[a]}" if a in ids else "free"
         return f"lit:{_value_digest(jc.literal_value(a))}"
 
-    for v in invars:
-        name(v)
-        digest.update(f"in {v.aval}\n".encode())
-    for v, value in zip(constvars, consts):
-        name(v)
-        digest.update(f"const {_value_digest(value)}\n".encode())
-    for eqn in eqns:
-        params = sorted((k, _param_text(p)) for k, p in eqn.params.items())
-        operands = [atom(a) for a in eqn.invars]
-        results = [str(v.aval) for v in eqn.outvars]
-        digest.update(repr((eqn.primitive.name, operands, results, params)).encode())
-        for v in eqn.outvars:
-            name(v)
-    digest.update(repr([atom(v) for v in outvars]).encode())
+    try:
+        for v in invars:
+            ids[v] = len(ids)
+            digest.update(f"in {v.aval}\n".encode())
+        for v, value in zip(constvars, consts):
+            ids[v] = len(ids)
+            digest.update(f"const {_value_digest(value)}\n".encode())
+        for eqn in eqns:
+            params = sorted((k, _param_text(p)) for k, p in eqn.params.items())
+            operands = [atom(a) for a in eqn.invars]
+            results = [str(v.aval) for v in eqn.outvars]
+            digest.update(repr((eqn.primitive.name, operands, results, params)).encode())
+            for v in eqn.outvars:
+                ids[v] = len(ids)
+        digest.update(repr([atom(v) for v in outvars]).encode())
+    except Exception:  # noqa: BLE001 - sharing programs is an optimization: decline it
+        return ""
     return digest.hexdigest()
 
 
