@@ -25,6 +25,7 @@ Unannotated code is never refused; each equation joins one region:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -63,7 +64,8 @@ class Region:
     loss_position: int | None
     fn: Callable[..., list[Any]]
     absorbed: tuple[str, ...] = ()
-    fingerprint: str = ""  # equal for regions computing the same function (ir/fingerprint.py)
+    # what `fingerprint` returns, computed on first use (a group of one region never asks)
+    fingerprinted: Callable[[], str] = dataclasses.field(default=lambda: "", repr=False)
 
     @property
     def tags(self) -> dict[str, int]:
@@ -74,6 +76,11 @@ class Region:
 
     def __str__(self) -> str:
         return region_str(self.key) if self.key else "{}"
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """Equal for regions that compute the same function (ir/fingerprint.py)."""
+        return self.fingerprinted()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -176,7 +183,9 @@ def lift(
                 loss_position=outputs[r].index(loss_var) if loss_var in outputs[r] else None,
                 fn=_as_region_fn(fn, len(p_vars), len(b_vars)),
                 absorbed=assignment.absorbed[r],
-                fingerprint=region_fingerprint(c_vars, consts, invars, outputs[r], r_eqns),
+                fingerprinted=functools.partial(
+                    region_fingerprint, c_vars, consts, invars, outputs[r], r_eqns
+                ),
             )
         )
     return LiftedLoss(

@@ -65,22 +65,28 @@ def twin_regions(
       param_specs: how the group splits a parameter (by parameter index), if it does.
       holds_experts: whether the group holds a region's parameters split by expert.
     """
-    first: dict[tuple, int] = {}
-    out: dict[int, int] = {}
-    for r in sorted(regions):
-        region = lifted.regions[r]
-        if not region.fingerprint:
-            out[r] = r
-            continue
-        signature = (
-            region.fingerprint,
+
+    def signature(region: Region) -> tuple:
+        return (
             region.in_shapes,
             region.out_shapes,
             region.batch_ids,
             _wiring(lifted, region),
-            keep.get(r, ""),
+            keep.get(region.index, ""),
             tuple(param_specs.get(p) for p in region.param_ids),
             holds_experts(region),
         )
-        out[r] = first.setdefault(signature, r)
+
+    alike: dict[tuple, list[int]] = {}
+    for r in sorted(regions):
+        alike.setdefault(signature(lifted.regions[r]), []).append(r)
+    out = {r: r for r in regions}
+    for members in alike.values():
+        if len(members) < 2:  # no fingerprint to take (it walks every equation)
+            continue
+        first: dict[str, int] = {}
+        for r in members:
+            fingerprint = lifted.regions[r].fingerprint
+            if fingerprint:  # "": a value the fingerprint cannot read, nobody's twin
+                out[r] = first.setdefault(fingerprint, r)
     return out
