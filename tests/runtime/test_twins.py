@@ -43,6 +43,18 @@ def test_dualpipev_middle_stages_share_their_programs() -> None:
     assert {"d1: UPD1", "d1: UPD2"} <= set(on_device_1)  # updates: one per stage
 
 
+def test_interleaved_stages_on_each_device_share_their_programs() -> None:
+    # 6 stages, 3 on each device: 2 and 4 on device 0, 1 and 3 on device 1 are twins
+    directives = (
+        [piper.split({"PP": "*"}, num_microbatches=4)]
+        + [piper.place({"PP": s}, [s % 2]) for s in range(6)]
+        + schedules.interleaved_1f1b(6, 4, 2)
+    )
+    step = check_mlp_strategy(directives, OPT, num_stages=6)
+    assert step._executor.rt.twins((0,)) == {0: 0, 2: 2, 4: 2}
+    assert step._executor.rt.twins((1,)) == {1: 1, 3: 1, 5: 5}
+
+
 def test_data_parallel_stages_share_programs_unless_their_forward_keeps_differently() -> None:
     replicated = [piper.replicate({"PP": "*"}, [0, 1])]
     step = check_mlp_strategy(replicated, OPT, num_stages=4)
