@@ -36,7 +36,7 @@ def region_fingerprint(
 
     def atom(a: Any) -> str:
         if jc.is_var(a):
-            return f"v{ids[a]}" if a in ids else "free"
+            return f"v{ids[a]}"  # a variable from outside: KeyError, nobody's twin
         return f"lit:{_value_digest(jc.literal_value(a))}"
 
     try:
