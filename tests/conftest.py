@@ -18,7 +18,8 @@ _FAST_COMPILE = (
     "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0 "
     "--xla_cpu_parallel_codegen_split_count=1"
 )
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
+if _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
 # start the backend now: a test that runs the main job in-process (`train.main`) would
@@ -29,13 +30,17 @@ jax.devices()
 # tiny programs many times over (the references, the same strategies on the same models),
 # and a cache hit skips XLA's compile, which dominates the suite. Subprocesses (the main
 # job, multi-process runs) share it through the environment.
+# pytest-xdist's workers inherit the directory the first process made (and only that
+# process removes it).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="piper-tests-xla-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 _CACHE = {
-    "JAX_COMPILATION_CACHE_DIR": tempfile.mkdtemp(prefix="piper-tests-xla-cache-"),
+    "JAX_COMPILATION_CACHE_DIR": os.environ["JAX_COMPILATION_CACHE_DIR"],
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
 }
 os.environ.update(_CACHE)
-atexit.register(shutil.rmtree, _CACHE["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 jax.config.update("jax_compilation_cache_dir", _CACHE["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
