@@ -155,6 +155,13 @@ def swaps_products(device: jax.Device) -> bool:
     return device.platform == "cpu"
 
 
+def fences_residuals(device: jax.Device) -> bool:
+    """Whether a forward and backward in one program pass the residuals through an
+    optimization barrier (Note [a forward and its backward in one program] in
+    scheduler.py): on CPU devices."""
+    return device.platform == "cpu"
+
+
 def pull_back(vjp: Callable, cotangents: Any, swap_products: bool) -> Any:
     """`vjp(cotangents)`, with its weight gradients as direct products if asked."""
     return with_swapped_products(vjp)(cotangents) if swap_products else vjp(cotangents)
@@ -277,6 +284,7 @@ class RegionPrograms:
         self.loss_seed, self.keep = loss_seed, keep  # "", or a recompute directive's keep
         self.recompute = keep == "inputs"  # the backward runs the whole forward again
         self.swap_products = swaps_products(mesh.devices.flat[0])
+        self.fence_residuals = fences_residuals(mesh.devices.flat[0])
         self.float_in = [
             lifted.regions[a.region].out_is_float(a.position) for a in region.act_inputs
         ]
@@ -418,6 +426,9 @@ class RegionPrograms:
     ) -> tuple:
         batch, acts = self._entering(batch, acts)
         outs, vjp = self._linearize(params, batch, acts)
+        if self.fence_residuals:
+            leaves, treedef = jax.tree.flatten(vjp)
+            vjp = jax.tree.unflatten(treedef, jax.lax.optimization_barrier(leaves))
         g_params, g_acts = pull_back(vjp, self._seeds(unstack(cots)), self.swap_products)
         return (
             stack(self._laid_out(outs)),

@@ -290,7 +290,15 @@ def unit_keys(dag: TrainingDAG, fuse_collectives: bool) -> dict[int, object]:
 # layers) spent 20.3 ms in the fused program's kernels against 7.9 + 15.5 ms apart, and
 # its step took 24.7 ms against 28.6 ms. On XLA:CPU the separate programs ran faster
 # (172-182 ms against 189-199 ms, a d_model 256 GPT), so `fuse_passes` defaults to off
-# there. The global norm and the update were not fused in as well: the whole step as one
+# there. Where it is asked for on the CPU, the residuals reach the backward through an
+# optimization barrier (programs.fences_residuals): the DP GPT of
+# benchmarks/compile_time.py (d_model 128, 4 devices) ran F+B in 206-225 ms against
+# 255 ms without it (F and B apart: 216-233 ms), and its losses equal those of the
+# programs apart bit for bit. At d_model 256 it was still slower than two programs
+# (583-641 ms against 557-584 ms; 623-693 ms unfenced): XLA:CPU lays the MLP's hidden
+# activation out transposed for its weight-gradient product and computes it so, 4 times
+# 25 ms of copies a step where the backward apart transposes its input in 7 ms. The
+# global norm and the update were not fused in as well: the whole step as one
 # program made one CUDA graph of 1,264 kernels, whose launch took 6 ms of host time
 # before the GPU started (30.4 ms a step). Passes of an overlap unit stay as it says.
 def fuse_forward_backward(

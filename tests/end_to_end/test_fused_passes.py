@@ -64,3 +64,17 @@ def test_passes_stay_apart_unless_asked_on_the_cpu() -> None:
     assert not any(" + B" in str(s) for s in step.plans.steps[(0,)])
     lowered = piper.lower(mlp_loss, StageMLP(2), OPT, batch, fuse_passes=True)
     assert "F1.0 + B1.0" in [str(s) for s in lowered.plans.steps[(0,)]]
+
+
+def test_fused_program_fences_the_residuals_on_the_cpu() -> None:
+    """On XLA:CPU the fused program hands the forward's residuals to the backward through
+    an optimization barrier (Note [a forward and its backward in one program])."""
+    batch = mlp_batches(1)[0]
+    step = piper.compile(mlp_loss, StageMLP(2), OPT, batch, fuse_passes=True)
+    step(batch)
+    texts = step._executor.program_texts(optimized=False)
+    fused = [t for label, t in texts.items() if "F1.0 + B1.0" in label]
+    assert len(fused) == 1, list(texts)
+    assert "optimization_barrier" in fused[0]
+    apart = [t for label, t in texts.items() if label.endswith("F0.0")]
+    assert apart and "optimization_barrier" not in apart[0], list(texts)
