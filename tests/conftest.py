@@ -32,11 +32,11 @@ jax.devices()
 # job, multi-process runs) share it through the environment.
 # pytest-xdist's workers inherit the directory the first process made (and only that
 # process removes it).
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="piper-tests-xla-cache-")
-    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+if "PIPER_TESTS_XLA_CACHE" not in os.environ:
+    os.environ["PIPER_TESTS_XLA_CACHE"] = tempfile.mkdtemp(prefix="piper-tests-xla-cache-")
+    atexit.register(shutil.rmtree, os.environ["PIPER_TESTS_XLA_CACHE"], ignore_errors=True)
 _CACHE = {
-    "JAX_COMPILATION_CACHE_DIR": os.environ["JAX_COMPILATION_CACHE_DIR"],
+    "JAX_COMPILATION_CACHE_DIR": os.environ["PIPER_TESTS_XLA_CACHE"],
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
 }
