@@ -6,7 +6,10 @@ the optimizer check, the plan compiler, setting up the executor (parameters, opt
 state, binding the steps) and the first step (XLA compiles every program while it
 runs); then the time of a second step, which compiles nothing when every program's
 inputs lie as the first step left them. The totals are timed without the profiler, the
-breakdown comes from a second, profiled build (profiling slows the Python parts).
+breakdown comes from a second, profiled build (profiling slows the Python parts). For
+both systems, "trace", "lower" and "XLA" are JAX's own seconds (jax.monitoring) spent
+tracing programs to jaxprs, lowering them to StableHLO and compiling them with XLA during
+the timed build and first step, summed over the programs.
 
 Every measurement runs in a process of its own (JAX caches traces and programs within a
 process, so a system built second would reuse what the first compiled), on 4 virtual CPU
@@ -51,15 +54,38 @@ def phases(profile: cProfile.Profile) -> dict[str, float]:
     return out
 
 
-def first_two_steps(build: Callable[[], Callable], batch: dict) -> tuple[float, float]:
+# JAX's own durations of what it does for each program (jax.monitoring events), summed
+# over the programs: tracing to a jaxpr, lowering it to StableHLO, XLA's compile.
+JAX_DURATIONS = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+    "/jax/core/compile/backend_compile_duration": "XLA",
+}
+
+
+def first_two_steps(
+    build: Callable[[], Callable], batch: dict
+) -> tuple[float, float, dict[str, float]]:
     """Seconds to build a step and run it once, then seconds of a second step (which
-    compiles nothing if every program's input layouts stay as the first step left them)."""
+    compiles nothing if every program's input layouts stay as the first step left them),
+    and JAX's trace, lower and XLA-compile seconds of the build and first step."""
+    import jax
+
+    durations = dict.fromkeys(JAX_DURATIONS.values(), 0.0)
+    timing = [True]
+
+    def listener(event: str, seconds: float, **_: object) -> None:
+        if timing[0] and event in JAX_DURATIONS:
+            durations[JAX_DURATIONS[event]] += seconds
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
     t0 = time.perf_counter()
     step = build()
     step(batch)
     t1 = time.perf_counter()
+    timing[0] = False
     step(batch)
-    return t1 - t0, time.perf_counter() - t1
+    return t1 - t0, time.perf_counter() - t1, durations
 
 
 def measure(system: str, strategy: str) -> dict:
@@ -88,11 +114,11 @@ def measure(system: str, strategy: str) -> dict:
         build = functools.partial(
             pjit_step, loss_fn, model, optimizer, batch, strategy=pjit_strategy
         )
-        total, second = first_two_steps(build, batch)
-        return {"total": total, "second": second}
+        total, second, jax_parts = first_two_steps(build, batch)
+        return {"total": total, "second": second, "jax": jax_parts}
     directives = [piper.replicate({"PP": "*"}, [0, 1, 2, 3], **flags)]
     build = functools.partial(piper.compile, loss_fn, model, optimizer, batch, directives)
-    total, second = first_two_steps(build, batch)
+    total, second, jax_parts = first_two_steps(build, batch)
     # the breakdown from a second, profiled build (profiling slows the Python parts)
     profile = cProfile.Profile()
     profile.enable()
@@ -101,7 +127,7 @@ def measure(system: str, strategy: str) -> dict:
     step(batch)
     profile.disable()
     parts = phases(profile) | {"first step": time.perf_counter() - t1}
-    return {"total": total, "second": second, "phases": parts}
+    return {"total": total, "second": second, "jax": jax_parts, "phases": parts}
 
 
 def in_own_process(system: str, strategy: str) -> dict:
@@ -130,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             ratios[strategy].append(got["piper"]["total"] / got["pjit"]["total"])
             for system in SYSTEMS:
                 m = got[system]
-                text = ", ".join(f"{k} {v:.2f}" for k, v in m.get("phases", {}).items())
+                parts = m["jax"] | m.get("phases", {})
+                text = ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
                 print(
                     f"{r:<6}{strategy:<9}{system:<7}{m['total']:>9.2f}{m['second']:>11.2f}  {text}"
                 )
