@@ -427,8 +427,7 @@ class RegionPrograms:
         batch, acts = self._entering(batch, acts)
         outs, vjp = self._linearize(params, batch, acts)
         if self.fence_residuals:
-            leaves, treedef = jax.tree.flatten(vjp)
-            vjp = jax.tree.unflatten(treedef, jax.lax.optimization_barrier(leaves))
+            vjp = jax.lax.optimization_barrier(vjp)
         g_params, g_acts = pull_back(vjp, self._seeds(unstack(cots)), self.swap_products)
         return (
             stack(self._laid_out(outs)),
