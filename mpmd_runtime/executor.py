@@ -44,12 +44,14 @@ from piper_jax.mpmd_runtime.instructions import (
     REDUCE_SCATTER,
     RUN,
     SEND,
+    UPD,
     Instruction,
     Label,
     Step,
 )
 from piper_jax.mpmd_runtime.plans import Plans
 from piper_jax.mpmd_runtime.replay import Event
+from piper_jax.mpmd_runtime.same_programs import SamePrograms
 from piper_jax.mpmd_runtime.simulator import TimelineEvent
 from piper_jax.mpmd_runtime.transport import Aval, is_local, microbatch_stager
 from piper_jax.mpmd_runtime.twins import twin_regions
@@ -94,6 +96,8 @@ class Runtime:
         self._programs: dict[tuple[int, Group], pg.RegionPrograms] = {}
         self._updates: dict[tuple[int, Group], UpdateProgram] = {}
         self._twins: dict[Group, dict[int, int]] = {}
+        # updates and optimizer inits of identical stages: Note [updates of identical stages]
+        self.same_programs = SamePrograms()
         self.loss_seed = 1.0 / (num_microbatches * pg.replicas(self.meshes[self.loss_group]))
 
     @functools.cached_property
@@ -370,6 +374,8 @@ class Executor:
             donated = list(dict.fromkeys(donated))
         kept = [b for b in inputs if b not in donated]
         key = _signature(g, step, pieces, self._twin_names(g), donated, kept, outputs)
+        # Note [updates of identical stages]: one of several updates of the group
+        same = self.rt.same_programs if _updates(step) and self._updates_on(g) > 1 else None
         if key not in self._unit_programs:
 
             def program(donated_values: list, kept_values: list) -> list:
@@ -379,19 +385,23 @@ class Executor:
                 return [env[b] for b in outputs]
 
             program.__name__ = _program_name(step)
-            self._unit_programs[key] = jax.jit(program, donate_argnums=(0,))
+            self._unit_programs[key] = jax.jit(
+                program, donate_argnums=(0,), keep_unused=same is not None
+            )
         jitted = self._unit_programs[key]
         consumed_values = [b for b in kept if b in consumed]  # residuals: dropped after use
         store, losses = self.rt.stores[g], self.losses
 
-        unit_args = self._unit_args
+        unit_args, programs = self._unit_args, self._unit_programs
         label = f"{group_str(g)}: {step}"
 
         def run() -> Any:
             args = ([store.pop(b) for b in donated], [store[b] for b in kept])
             if key not in unit_args:  # once per program, for `program_texts`
                 unit_args[key] = (label, jax.tree.map(abstract, args))
-            values = jitted(*args)
+                if same is not None:
+                    programs[key] = same.resolve(programs[key], args, g)
+            values = programs[key](*args)
             for b in consumed_values:
                 store.pop(b, None)
             for b, v in zip(outputs, values):
@@ -402,6 +412,10 @@ class Executor:
             return values
 
         return run, UnitCall(key, g, donated, kept, outputs, jitted)
+
+    def _updates_on(self, g: Group) -> int:
+        """How many of g's plan steps update parameters."""
+        return sum(1 for step in self.plans.steps[g] if _updates(step))
 
     def _twin_names(self, g: Group) -> Callable[[Instruction], Label | None]:
         """For a step's signature: the label of an instruction's pass as run by its
@@ -804,6 +818,10 @@ def rewrites_state_in_place(devices: Sequence[jax.Device]) -> bool:
 
 _SHORT = {ALL_REDUCE: "AR", REDUCE_SCATTER: "RS", ALL_GATHER: "AG", ALL_TO_ALL: "A2A"}
 _NAME_LENGTH = 60  # JAX's compilation cache names its files after the program
+
+
+def _updates(step: Step) -> bool:
+    return any(i.op == UPD for i in step.instructions)
 
 
 def _program_name(step: Step) -> str:

@@ -20,8 +20,10 @@ is then compiled for the first twin that runs it and called for the others
 (`executor._signature` names passes by their region's first twin, and buffers by where
 the step's pieces read and write them, not by name). A program's inputs are the twin's
 own parameters and activations, passed in the same positions; JAX compiles again
-wherever their layouts differ. Updates are not shared: an optimizer may treat parameters
-differently by name (masks and labels by path). On 2 virtual CPU devices the example
+wherever their layouts differ. Updates are not twins: an optimizer may treat parameters
+differently by name (masks and labels by path); they share a program where their
+lowered modules prove it (Note [updates of identical stages] in same_programs.py). On 2
+virtual CPU devices the example
 GPT reached its first step in 0.78x the time under DualPipeV (4 stages; 18 programs
 instead of 23) and 0.64x under interleaved 1F1B (8 stages; 16 instead of 24), medians of
 3 rounds of benchmarks/twin_programs.py, with the same losses to the last bit.

@@ -22,6 +22,7 @@ from piper_jax.ir.errors import PiperError
 from piper_jax.mpmd_runtime import zero
 from piper_jax.mpmd_runtime.global_norm import CARRIER, carrier_gradient
 from piper_jax.mpmd_runtime.programs import AXIS, replicas, replicated, spmd, stack, unstack
+from piper_jax.mpmd_runtime.same_programs import SamePrograms
 
 # (parameter names, with carrier?) -> (treedef of the model's tree cut to those leaves
 # (plus the carrier), the names in the tree's leaf order)
@@ -62,7 +63,9 @@ class UpdateProgram:
         self.treedef, self.tree_names = param_tree(self.names, carrier)
         if zero_level:
             params_spec = P(AXIS) if zero_level >= 3 else P()
-            self._init = jax.jit(spmd(self._init_shards, mesh, (params_spec,), P(AXIS)))
+            self._init = jax.jit(
+                spmd(self._init_shards, mesh, (params_spec,), P(AXIS)), keep_unused=True
+            )
             extra = (P(),) if carrier or guard else ()
             self._update = spmd(
                 self._update_shards,
@@ -73,13 +76,24 @@ class UpdateProgram:
         else:
             self.param_layout = [p.sharding for _, p in params]
             self.state_layout = self._state_layout([p for _, p in params])
-            self._init = jax.jit(self._init_whole, out_shardings=self.state_layout)
+            self._init = jax.jit(
+                self._init_whole, out_shardings=self.state_layout, keep_unused=True
+            )
             self._update = self._update_whole
         self.state_treedef: Any = None  # known once init ran
 
-    def init(self, params: list) -> list[jax.Array]:
-        leaves, self.state_treedef = jax.tree.flatten(self._init(params))
-        return leaves
+    def init(self, params: list, same: SamePrograms | None = None) -> list[jax.Array]:
+        """The optimizer state's leaves for `params`; with `same`, by the init program of
+        earlier parameters of the same mesh where it is the same program (Note [updates
+        of identical stages])."""
+        if same is None:
+            leaves, self.state_treedef = jax.tree.flatten(self._init(params))
+            return leaves
+        devices = tuple(d.id for d in self.mesh.devices.flat)
+        init = same.resolve(self._init, [params], devices)
+        # the shared program's outputs in this group's own tree (its paths)
+        self.state_treedef = jax.tree.structure(jax.eval_shape(self._init, params))
+        return jax.tree.leaves(init(params))
 
     def state_tree(self, leaves: Sequence[Any]) -> Any:
         return jax.tree.unflatten(self.state_treedef, leaves)

@@ -106,7 +106,16 @@ def xla_compilations(fun_names: str | Iterable[str] | None = None) -> int:
 def reference_run(
     loss_fn: Any, model: nnx.Module, optimizer: optax.GradientTransformation, batches: list
 ) -> tuple[list[float], Any]:
-    """Plain single-device jax.value_and_grad + optax on each global batch."""
+    """Plain single-device jax.value_and_grad + optax on each global batch: the losses
+    and the trained parameters."""
+    losses, params, _ = reference_training(loss_fn, model, optimizer, batches)
+    return losses, params
+
+
+def reference_training(
+    loss_fn: Any, model: nnx.Module, optimizer: optax.GradientTransformation, batches: list
+) -> tuple[list[float], Any, Any]:
+    """`reference_run`'s losses and parameters, and the optimizer state it ends with."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     state = optimizer.init(params)
 
@@ -122,7 +131,7 @@ def reference_run(
     for batch in batches:
         params, state, loss = step(params, state, batch)
         losses.append(float(loss))
-    return losses, params
+    return losses, params, state
 
 
 # Absolute slack for trained parameters against the reference. Adam divides each gradient

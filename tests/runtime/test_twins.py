@@ -5,13 +5,24 @@ from __future__ import annotations
 
 import re
 
+import jax
+import numpy as np
 import optax
-from helpers import StageMLP, check_mlp_strategy, mlp_batches, mlp_loss
+import pytest
+from flax import nnx
+from helpers import StageMLP, check_mlp_strategy, mlp_batches, mlp_loss, reference_training
+from piper_jax.mpmd_runtime.same_programs import SamePrograms
 
 import piper_jax as piper
 from piper_jax import schedules
 
 OPT = optax.adam(1e-2)
+# DualPipeV's V over StageMLP(4): the middle stages 1 and 2 both lie on device 1
+DUALPIPEV = (
+    [piper.split({"PP": "*"}, num_microbatches=4)]
+    + [piper.place({"PP": s}, [min(s, 3 - s)]) for s in range(4)]
+    + schedules.dualpipev(2, 4)
+)
 
 
 def programs_of_stages_1_and_2(step, group: str) -> list[str]:
@@ -28,19 +39,13 @@ def assert_shared(programs: list[str]) -> None:
 
 
 def test_dualpipev_middle_stages_share_their_programs() -> None:
-    # stages 1 and 2 (the middle of StageMLP(4)) both lie on device 1 in DualPipeV's V
-    directives = (
-        [piper.split({"PP": "*"}, num_microbatches=4)]
-        + [piper.place({"PP": s}, [min(s, 3 - s)]) for s in range(4)]
-        + schedules.dualpipev(2, 4)
-    )
-    step = check_mlp_strategy(directives, OPT, num_stages=4)
+    step = check_mlp_strategy(DUALPIPEV, OPT, num_stages=4)
     assert step._executor.rt.twins((1,)) == {1: 1, 2: 1}
     on_device_1 = programs_of_stages_1_and_2(step, "d1:")
     assert_shared(on_device_1)
     for passes in ("Fs", "Bs", "BIs", "BWs", "Fs + Bs"):
         assert f"d1: {passes}" in on_device_1, on_device_1
-    assert {"d1: UPD1", "d1: UPD2"} <= set(on_device_1)  # updates: one per stage
+    assert {"d1: UPD1", "d1: UPD2"} <= set(on_device_1)  # one plan step per stage's update
 
 
 def test_interleaved_stages_on_each_device_share_their_programs() -> None:
@@ -74,3 +79,56 @@ def test_zero3_gathers_and_reduce_scatters_of_twins_share_programs() -> None:
     programs = programs_of_stages_1_and_2(step, "d0,1:")
     assert_shared(programs)
     assert "d0,1: ALL_GATHER param[Fs] d0,1 + Fs" in programs, programs
+
+
+@pytest.fixture
+def resolved(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
+    """Each `SamePrograms.resolve` of the test: (function name, whether it handed back
+    an earlier function's program)."""
+    calls: list[tuple[str, bool]] = []
+    resolve = SamePrograms.resolve
+
+    def spied(self, jitted, args, devices):
+        got = resolve(self, jitted, args, devices)
+        calls.append((jitted.__name__, got is not jitted))
+        return got
+
+    monkeypatch.setattr(SamePrograms, "resolve", spied)
+    return calls
+
+
+def test_identical_stages_share_their_update_and_optimizer_init(resolved) -> None:
+    """Note [updates of identical stages]: stage 2's update and init run stage 1's
+    programs, and its optimizer state keeps its own paths."""
+    batches = mlp_batches(3)
+    step = check_mlp_strategy(DUALPIPEV, OPT, num_stages=4, batches=batches)
+    # device 1's stages 1 and 2 share; device 0's stages 0 and 3 (the embedding's ends) differ
+    assert sorted(resolved) == sorted(
+        [("_init_whole", False)] * 3
+        + [("_init_whole", True)]
+        + [("UPD0", False), ("UPD1", False), ("UPD2", True), ("UPD3", False)]
+    ), resolved
+    _, _, state = reference_training(mlp_loss, StageMLP(4), OPT, batches)
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    want = {jax.tree_util.keystr(path): np.asarray(v) for path, v in leaves}
+    got = step._executor.optimizer_state()
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+def test_updates_of_stages_an_optimizer_treats_differently_stay_apart(resolved) -> None:
+    """Stage 2's update freezes its block by name: not stage 1's program."""
+
+    def labels(params: nnx.State) -> nnx.State:
+        def label(path: tuple, _: object) -> str:
+            return "frozen" if "['blocks'][2]" in jax.tree_util.keystr(path) else "trained"
+
+        return jax.tree_util.tree_map_with_path(label, params)
+
+    optimizer = optax.multi_transform({"trained": OPT, "frozen": optax.set_to_zero()}, labels)
+    step = check_mlp_strategy(DUALPIPEV, optimizer, num_stages=4)
+    assert not [name for name, shared in resolved if shared and name.startswith("UPD")], resolved
+    first = jax.tree.leaves(StageMLP(4).blocks[2])
+    for before, after in zip(first, jax.tree.leaves(step.params()["blocks"][2])):
+        np.testing.assert_array_equal(np.asarray(after), np.asarray(before))
