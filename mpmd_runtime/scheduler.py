@@ -298,9 +298,13 @@ def unit_keys(dag: TrainingDAG, fuse_collectives: bool) -> dict[int, object]:
 # (583-641 ms against 557-584 ms; 623-693 ms unfenced): XLA:CPU lays the MLP's hidden
 # activation out transposed for its weight-gradient product and computes it so, 4 times
 # 25 ms of copies a step where the backward apart transposes its input in 7 ms. The
-# global norm and the update were not fused in as well: the whole step as one
-# program made one CUDA graph of 1,264 kernels, whose launch took 6 ms of host time
-# before the GPU started (30.4 ms a step). Passes of an overlap unit stay as it says.
+# barrier cannot keep that layout out: XLA:CPU expands it before layout assignment and
+# fusion (the optimized program holds none), and residuals transposed or flattened to
+# one dimension around it were laid out and fused the same way (645-699 ms a step
+# against 574-603 ms apart). The global norm and the update were not fused in as well:
+# the whole step as one program made one CUDA graph of 1,264 kernels, whose launch took
+# 6 ms of host time before the GPU started (30.4 ms a step). Passes of an overlap unit
+# stay as it says.
 def fuse_forward_backward(
     dag: TrainingDAG, orders: Mapping[Group, Sequence[int]], keys: dict[int, object]
 ) -> dict[int, object]:
