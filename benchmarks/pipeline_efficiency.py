@@ -40,7 +40,10 @@ also gives, per rank and from the last round, the closures dispatched per step (
 plan step, FREEs included, the SENDs of one exchange counted once) and their
 instructions by op, the time the host spends in the dispatch loop (`Executor.run`,
 before waiting for the results: it includes any waiting for the peer inside a
-cross-process transfer) of a whole step, and the count and median per
+cross-process transfer, and waiting for room in the device's queue: XLA:CPU runs ahead
+of the host by about 32 programs per device and then blocks each dispatch until one
+finishes, so at m=16 the loop took 0.1-0.2 s of a 0.25-0.36 s step with the device busy
+all along) of a whole step, and the count and median per
 kind of one instrumented step (`Executor.run_recorded`, the measurement behind
 TrainStep.measure_costs, which waits for each closure in turn and so serialises the
 devices). At a small width (--width 16) the step time per closure is the runtime's cost
