@@ -66,7 +66,7 @@ class SamePrograms:
         `jitted` should keep its unused arguments: one whose module dropped some is never
         shared."""
         lowered = jitted.lower(*args)
-        text = lowered.as_text()
+        text = lowered.as_text(debug_info=False)  # every constant, no source locations
         leaves = jax.tree.leaves(args)
         main = _MAIN.search(text)
         if main is None or len(_ARGUMENT.findall(main.group(1))) != len(leaves):
