@@ -43,6 +43,7 @@ from piper_jax.mpmd_runtime.instructions import RECV, SEND
 from piper_jax.mpmd_runtime.plans import Plans
 from piper_jax.mpmd_runtime.programs import stacked
 from piper_jax.mpmd_runtime.replay import Event
+from piper_jax.mpmd_runtime.same_programs import SamePrograms
 
 if TYPE_CHECKING:
     from piper_jax.mpmd_runtime.executor import Runtime
@@ -53,7 +54,8 @@ Group = tuple[int, ...]
 @dataclasses.dataclass(frozen=True)
 class UnitCall:
     """How a fused step calls its program: `jitted(donated values, kept values)` returns
-    the values of `outputs`."""
+    the values of `outputs`; `same` where the program may be another step's (Note
+    [updates of identical stages])."""
 
     key: tuple
     group: Group
@@ -61,6 +63,7 @@ class UnitCall:
     kept: Sequence[bf.Buffer]
     outputs: Sequence[bf.Buffer]
     jitted: Callable
+    same: SamePrograms | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +118,7 @@ def compile_ahead(
                     store.update(dict.fromkeys(unit.outputs, _UNKNOWN))
                     continue
                 if unit.key not in jobs:  # FIFO: the jobs it waits for are ahead of it
-                    jobs[unit.key] = pool.submit(_compile, unit.jitted, args)
+                    jobs[unit.key] = pool.submit(_compile, unit, args)
                 store.update({b: _Output(jobs[unit.key], i) for i, b in enumerate(unit.outputs)})
             elif len(members) > 1:  # a reduction over groups
                 for g in members:
@@ -134,10 +137,13 @@ def compile_ahead(
     return sum(1 for job in jobs.values() if job.exception() is None)
 
 
-def _compile(jitted: Callable, args: list[list[Any]]) -> list[Any]:
-    """Compile `jitted` for `args` (waiting for the programs that lay them out); return
-    its outputs' abstract values."""
+def _compile(unit: UnitCall, args: list[list[Any]]) -> list[Any]:
+    """Compile the unit's program for `args` (waiting for the programs that lay them
+    out), or find it compiled for another step; return its outputs' abstract values."""
     args = [[_resolved(a) for a in part] for part in args]
+    jitted = unit.jitted
+    if unit.same is not None:
+        jitted = unit.same.resolve(jitted, args, unit.group)
     traced = jitted.trace(*args)
     compiled = traced.lower().compile()
     # the traced program knows the weak types, the compiled one the layouts

@@ -411,7 +411,7 @@ class Executor:
                     store[b] = v
             return values
 
-        return run, UnitCall(key, g, donated, kept, outputs, jitted)
+        return run, UnitCall(key, g, donated, kept, outputs, jitted, same)
 
     def _updates_on(self, g: Group) -> int:
         """How many of g's plan steps update parameters."""

@@ -28,13 +28,14 @@ CPU devices the example GPT reached its first step in 0.79-0.85x the time under
 interleaved 1F1B (8 stages; 47 XLA compilations instead of 55) and 0.77-0.96x under
 DualPipeV (45 instead of 47), 3 rounds of benchmarks/twin_programs.py, with the same
 losses to the last bit. Where the executor compiles ahead on several threads (Note
-[compiling ahead]: hosts of 4 or more cores) every update still compiles there for
-itself; the sharing then only saves a core's time, not the wait.
+[compiling ahead]: hosts of 4 or more cores), the threads resolve the updates the same
+way, from abstract arguments: a thread whose module another is compiling waits for it.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -53,18 +54,19 @@ def anonymous(module_text: str) -> str:
 
 
 class SamePrograms:
-    """The jitted functions whose programs have been compiled, by their devices and
-    lowered module."""
+    """The jitted functions whose programs have been compiled (or are being compiled, on
+    another thread), by their devices and lowered module."""
 
     def __init__(self) -> None:
-        self._by_module: dict[tuple, Callable] = {}
+        self._by_module: dict[tuple, tuple[Callable, threading.Event]] = {}
+        self._lock = threading.Lock()
 
     def resolve(self, jitted: Any, args: Sequence[Any], devices: Hashable) -> Callable:
         """What to call for `jitted(*args)` on `devices`: an earlier jitted function whose
-        program for arguments like `args` on the same devices lowered to the same module,
-        or `jitted` itself, compiled here for `args` (its call then compiles nothing).
-        `jitted` should keep its unused arguments: one whose module dropped some is never
-        shared."""
+        program for arguments like `args` (arrays or abstract values) on the same devices
+        lowered to the same module, or `jitted` itself, compiled here for `args` (its call
+        then compiles nothing). `jitted` should keep its unused arguments: one whose
+        module dropped some is never shared."""
         lowered = jitted.lower(*args)
         text = lowered.as_text(debug_info=False)  # every constant, no source locations
         leaves = jax.tree.leaves(args)
@@ -77,7 +79,14 @@ class SamePrograms:
         # carry its own paths)
         weak = tuple(bool(getattr(x, "weak_type", False)) for x in leaves)
         module = (devices, lowered.in_tree, weak, anonymous(text))
-        first = self._by_module.setdefault(module, jitted)
-        if first is jitted:
-            lowered.compile()  # into jitted's own cache
+        with self._lock:
+            first, compiled = self._by_module.setdefault(module, (jitted, threading.Event()))
+        if first is not jitted:
+            compiled.wait()
+            return first
+        if not compiled.is_set():
+            try:
+                lowered.compile()  # into jitted's own cache
+            finally:
+                compiled.set()
         return first

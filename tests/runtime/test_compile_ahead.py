@@ -58,3 +58,23 @@ def test_program_names_say_what_runs_and_stay_short() -> None:
     assert _program_name(step) == "F0_B0_AR_UPD0"
     many = parse_step(" + ".join(f"F{r}.0 + REDUCE_SCATTER grad[B{r}.0] d0,1" for r in range(30)))
     assert len(_program_name(many)) <= 60
+
+
+def test_identical_stages_compile_their_shared_update_once_ahead() -> None:
+    """Note [updates of identical stages] ahead of the first step: DualPipeV's middle
+    stages on device 1 share one update program, which compiles once."""
+    directives = [
+        piper.split({"PP": "*"}, num_microbatches=4),
+        *[piper.place({"PP": s}, [min(s, 3 - s)]) for s in range(4)],
+        *schedules.dualpipev(2, 4),
+    ]
+    batch = mlp_batches(1)[0]
+    step = piper.compile(mlp_loss, StageMLP(4), optax.adam(1e-2), batch, directives)
+    executor = step._executor
+    executor.compile_workers = 2
+    names = {f"jit({program.__name__})" for program in executor._unit_programs.values()}
+    before = xla_compilations(names)
+    step(batch)
+    programs = set(executor._unit_programs.values())
+    assert len(programs) == len(executor._unit_programs) - 1  # UPD2 runs UPD1's program
+    assert xla_compilations(names) - before == len(programs)
