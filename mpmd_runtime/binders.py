@@ -10,7 +10,7 @@ FREE, a collective over several groups) binds to an `Exchange` closure instead.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -61,10 +61,13 @@ Env = dict[bf.Buffer, Any]
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """One instruction as a traceable function of its group's buffers."""
+    """One instruction as a traceable function of its group's buffers; `picks`: the
+    positions it reads of list-valued buffers it reads only part of (an update's
+    gradients in a bucket of several regions', Note [updates of identical stages])."""
 
     access: bf.Access
     fn: Callable[[Env], Env]
+    picks: Mapping[bf.Buffer, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 Exchange = Callable[[], Any]
@@ -297,7 +300,12 @@ def update_piece(rt: Runtime, g: Group, ins: Instruction) -> Piece:
     access = bf.access(ins, g, rt.ctx)
     program = rt.update_program(region, g)
     names = program.names
-    grads = grad_reader(rt, g, rt.ctx.param_sets[f"UPD{region}"])
+    sources = grad_sources(rt, g, rt.ctx.param_sets[f"UPD{region}"])
+    grads = grad_reader(rt, g, sources)
+    picks: dict[bf.Buffer, list[int]] = {}
+    for buf, index, _ in sources:
+        if index is not None:
+            picks.setdefault(buf, []).append(index)
     state = bf.opt(region)
     level = rt.ctx.zero_level[g]
     accs = [bf.acc(n) for n in names]
@@ -324,17 +332,18 @@ def update_piece(rt: Runtime, g: Group, ins: Instruction) -> Piece:
             out.update(zip(written, new_params))
         return out
 
-    return Piece(access, update)
+    return Piece(access, update, {b: tuple(sorted(set(i))) for b, i in picks.items()})
 
 
-def grad_reader(
-    rt: Runtime, g: Group, params: Sequence[int]
-) -> Callable[[Env], list[tuple[Any, Placement]]]:
-    """For an update or norm on group g: each parameter's gradient as the step holds it
-    (all-reduced value or the group's accumulator), with its layout. A plain group reads
-    totals (or, with one replica, its accumulator row); a ZeRO group its stacked shards."""
+GradSource = tuple[bf.Buffer, int | None, Placement]  # buffer, position in it, layout
+
+
+def grad_sources(rt: Runtime, g: Group, params: Sequence[int]) -> list[GradSource]:
+    """Where an update or norm on group g finds each parameter's gradient: a position in
+    an all-reduced bucket, or the group's accumulator. A plain group reads totals (or,
+    with one replica, its accumulator row); a ZeRO group its stacked shards."""
     level, width = rt.ctx.zero_level[g], replicas(rt.meshes[g])
-    sources = []
+    sources: list[GradSource] = []
     for p in params:
         name = rt.ctx.lifted.param_names[p]
         reduced = rt.ctx.reduced_by[g].get(p)
@@ -346,6 +355,14 @@ def grad_reader(
             assert level >= 2 or width == 1, (name, g)
             layout = Placement.FLAT if level >= 2 else Placement.PARTIAL
             sources.append((bf.acc(name), None, layout))
+    return sources
+
+
+def grad_reader(
+    rt: Runtime, g: Group, sources: Sequence[GradSource]
+) -> Callable[[Env], list[tuple[Any, Placement]]]:
+    """Each gradient of `sources` as the step holds it, with its layout."""
+    level = rt.ctx.zero_level[g]
 
     def read(env: Env) -> list[tuple[Any, Placement]]:
         out = []
@@ -550,7 +567,7 @@ def norm_partials(rt: Runtime, g: Group) -> Callable[[Env], jax.Array]:
     0.5 ms)."""
     mesh = rt.meshes[g]
     width = replicas(mesh)
-    grads = grad_reader(rt, g, bf.norm_params(rt.ctx, g))
+    grads = grad_reader(rt, g, grad_sources(rt, g, bf.norm_params(rt.ctx, g)))
 
     def partial(env: Env) -> jax.Array:
         whole, rows = [], []

@@ -55,7 +55,8 @@ Group = tuple[int, ...]
 class UnitCall:
     """How a fused step calls its program: `jitted(donated values, kept values)` returns
     the values of `outputs`; `same` where the program may be another step's (Note
-    [updates of identical stages])."""
+    [updates of identical stages]), which then takes only the positions `picks` of a
+    kept list-valued buffer."""
 
     key: tuple
     group: Group
@@ -64,6 +65,7 @@ class UnitCall:
     outputs: Sequence[bf.Buffer]
     jitted: Callable
     same: SamePrograms | None = None
+    picks: Mapping[bf.Buffer, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +142,10 @@ def compile_ahead(
 def _compile(unit: UnitCall, args: list[list[Any]]) -> list[Any]:
     """Compile the unit's program for `args` (waiting for the programs that lay them
     out), or find it compiled for another step; return its outputs' abstract values."""
-    args = [[_resolved(a) for a in part] for part in args]
+    donated, kept = [[_resolved(a) for a in part] for part in args]
+    picks = unit.picks
+    kept = [a if b not in picks else [a[i] for i in picks[b]] for a, b in zip(kept, unit.kept)]
+    args = [donated, kept]
     jitted = unit.jitted
     if unit.same is not None:
         jitted = unit.same.resolve(jitted, args, unit.group)

@@ -376,10 +376,13 @@ class Executor:
         key = _signature(g, step, pieces, self._twin_names(g), donated, kept, outputs)
         # Note [updates of identical stages]: one of several updates of the group
         same = self.rt.same_programs if _updates(step) and self._updates_on(g) > 1 else None
+        # ... which takes only the gradients it reads out of a bucket of several regions'
+        picks = _kept_picks(pieces, kept) if same is not None else {}
         if key not in self._unit_programs:
 
             def program(donated_values: list, kept_values: list) -> list:
                 env = dict(zip(donated, donated_values)) | dict(zip(kept, kept_values))
+                env.update((b, dict(zip(positions, env[b]))) for b, positions in picks.items())
                 for piece in pieces:
                     env.update(piece.fn(env))
                 return [env[b] for b in outputs]
@@ -395,8 +398,13 @@ class Executor:
         unit_args, programs = self._unit_args, self._unit_programs
         label = f"{group_str(g)}: {step}"
 
+        def kept_values() -> list:
+            if not picks:
+                return [store[b] for b in kept]
+            return [store[b] if b not in picks else [store[b][i] for i in picks[b]] for b in kept]
+
         def run() -> Any:
-            args = ([store.pop(b) for b in donated], [store[b] for b in kept])
+            args = ([store.pop(b) for b in donated], kept_values())
             if key not in unit_args:  # once per program, for `program_texts`
                 unit_args[key] = (label, jax.tree.map(abstract, args))
                 if same is not None:
@@ -411,7 +419,7 @@ class Executor:
                     store[b] = v
             return values
 
-        return run, UnitCall(key, g, donated, kept, outputs, jitted, same)
+        return run, UnitCall(key, g, donated, kept, outputs, jitted, same, picks)
 
     def _updates_on(self, g: Group) -> int:
         """How many of g's plan steps update parameters."""
@@ -822,6 +830,19 @@ _NAME_LENGTH = 60  # JAX's compilation cache names its files after the program
 
 def _updates(step: Step) -> bool:
     return any(i.op == UPD for i in step.instructions)
+
+
+def _kept_picks(
+    pieces: Sequence[binders.Piece], kept: Sequence[bf.Buffer]
+) -> dict[bf.Buffer, tuple[int, ...]]:
+    """The positions a step reads of each kept list-valued buffer that all its readers
+    read only part of (`Piece.picks`)."""
+    out = {}
+    for b in kept:
+        readers = [p for p in pieces if b in p.access.reads]
+        if readers and all(b in p.picks for p in readers):
+            out[b] = tuple(sorted({i for p in readers for i in p.picks[b]}))
+    return out
 
 
 def _program_name(step: Step) -> str:

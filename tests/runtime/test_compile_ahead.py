@@ -60,21 +60,30 @@ def test_program_names_say_what_runs_and_stay_short() -> None:
     assert len(_program_name(many)) <= 60
 
 
-def test_identical_stages_compile_their_shared_update_once_ahead() -> None:
-    """Note [updates of identical stages] ahead of the first step: DualPipeV's middle
-    stages on device 1 share one update program, which compiles once."""
-    directives = [
+IDENTICAL_STAGES = {
+    # DualPipeV's middle stages on device 1
+    "dualpipev": [
         piper.split({"PP": "*"}, num_microbatches=4),
         *[piper.place({"PP": s}, [min(s, 3 - s)]) for s in range(4)],
         *schedules.dualpipev(2, 4),
-    ]
+    ],
+    # stages 1-3 of one data-parallel group, their gradients in one all-reduced bucket
+    "dp2": [piper.replicate({"PP": "*"}, [0, 1])],
+}
+
+
+@pytest.mark.parametrize("name", sorted(IDENTICAL_STAGES))
+def test_identical_stages_compile_their_shared_update_once_ahead(name: str) -> None:
+    """Note [updates of identical stages] ahead of the first step: identical stages'
+    updates share one program, which compiles once."""
     batch = mlp_batches(1)[0]
-    step = piper.compile(mlp_loss, StageMLP(4), optax.adam(1e-2), batch, directives)
+    step = piper.compile(mlp_loss, StageMLP(4), optax.adam(1e-2), batch, IDENTICAL_STAGES[name])
     executor = step._executor
     executor.compile_workers = 2
     names = {f"jit({program.__name__})" for program in executor._unit_programs.values()}
     before = xla_compilations(names)
     step(batch)
     programs = set(executor._unit_programs.values())
-    assert len(programs) == len(executor._unit_programs) - 1  # UPD2 runs UPD1's program
+    shared = {"dualpipev": 1, "dp2": 2}[name]  # UPD2 (and UPD3) run UPD1's program
+    assert len(programs) == len(executor._unit_programs) - shared
     assert xla_compilations(names) - before == len(programs)

@@ -132,3 +132,15 @@ def test_updates_of_stages_an_optimizer_treats_differently_stay_apart(resolved) 
     first = jax.tree.leaves(StageMLP(4).blocks[2])
     for before, after in zip(first, jax.tree.leaves(step.params()["blocks"][2])):
         np.testing.assert_array_equal(np.asarray(after), np.asarray(before))
+
+
+@pytest.mark.parametrize("flags", [{}, {"shard_params": True}], ids=["dp", "zero3"])
+def test_data_parallel_stages_share_their_update_out_of_one_gradient_bucket(
+    resolved, flags: dict
+) -> None:
+    """Each update takes only its own gradients out of the all-reduced (or
+    reduce-scattered) bucket of every region's, so the updates of identical stages are
+    one program, and still train like single-device training."""
+    check_mlp_strategy([piper.replicate({"PP": "*"}, [0, 1], **flags)], OPT, num_stages=4)
+    updates = {name: shared for name, shared in resolved if name.startswith("UPD")}
+    assert updates == {"UPD1": False, "UPD2": True, "UPD3": True}, resolved
