@@ -302,10 +302,10 @@ def update_piece(rt: Runtime, g: Group, ins: Instruction) -> Piece:
     names = program.names
     sources = grad_sources(rt, g, rt.ctx.param_sets[f"UPD{region}"])
     grads = grad_reader(rt, g, sources)
-    picks: dict[bf.Buffer, list[int]] = {}
+    picks: dict[bf.Buffer, set[int]] = {}
     for buf, index, _ in sources:
         if index is not None:
-            picks.setdefault(buf, []).append(index)
+            picks.setdefault(buf, set()).add(index)
     state = bf.opt(region)
     level = rt.ctx.zero_level[g]
     accs = [bf.acc(n) for n in names]
@@ -332,7 +332,7 @@ def update_piece(rt: Runtime, g: Group, ins: Instruction) -> Piece:
             out.update(zip(written, new_params))
         return out
 
-    return Piece(access, update, {b: tuple(sorted(set(i))) for b, i in picks.items()})
+    return Piece(access, update, {b: tuple(sorted(i)) for b, i in picks.items()})
 
 
 GradSource = tuple[bf.Buffer, int | None, Placement]  # buffer, position in it, layout

@@ -101,6 +101,13 @@ class Runtime:
         self.loss_seed = 1.0 / (num_microbatches * pg.replicas(self.meshes[self.loss_group]))
 
     @functools.cached_property
+    def updates_held(self) -> collections.Counter:
+        """How many parameter updates each group runs."""
+        return collections.Counter(
+            g for g, plan in self.plans.plans.items() for i in plan if i.op == UPD
+        )
+
+    @functools.cached_property
     def loss_group(self) -> Group:
         loss_region = next(iter(self.lifts.values())).loss_region
         return next(
@@ -375,7 +382,7 @@ class Executor:
         kept = [b for b in inputs if b not in donated]
         key = _signature(g, step, pieces, self._twin_names(g), donated, kept, outputs)
         # Note [updates of identical stages]: one of several updates of the group
-        same = self.rt.same_programs if _updates(step) and self._updates_on(g) > 1 else None
+        same = self.rt.same_programs if _updates(step) and self.rt.updates_held[g] > 1 else None
         # ... which takes only the gradients it reads out of a bucket of several regions'
         picks = _kept_picks(pieces, kept) if same is not None else {}
         if key not in self._unit_programs:
@@ -420,10 +427,6 @@ class Executor:
             return values
 
         return run, UnitCall(key, g, donated, kept, outputs, jitted, same, picks)
-
-    def _updates_on(self, g: Group) -> int:
-        """How many of g's plan steps update parameters."""
-        return sum(1 for step in self.plans.steps[g] if _updates(step))
 
     def _twin_names(self, g: Group) -> Callable[[Instruction], Label | None]:
         """For a step's signature: the label of an instruction's pass as run by its

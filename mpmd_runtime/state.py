@@ -58,13 +58,12 @@ def init_state(rt: Runtime, values: Mapping[str, Any]) -> None:
             shape, dtype = rt.param_avals[name]
             rows = (width, zero.shard_len(shape, width)) if level >= 2 else (width, *shape)
             store[bf.acc(name)] = host_to_group(np.zeros(rows, dtype), rt.acc_sharding(g, name))
-    several = {g for g in rt.local if sum(1 for _, h in updates(rt) if h == g) > 1}
     for r, g in updates(rt):
         if g in rt.local:
             program = rt.update_program(r, g)
             rt.stores[g][bf.opt(r)] = program.init(
                 [rt.stores[g][bf.param(n)] for n in program.names],
-                rt.same_programs if g in several else None,
+                rt.same_programs if rt.updates_held[g] > 1 else None,
             )
 
 
