@@ -71,6 +71,14 @@ def mlp_batches(steps: int, batch_size: int = 16, seed: int = 0) -> list[dict]:
     ]
 
 
+# DualPipeV's V over StageMLP(4): the middle stages 1 and 2 both lie on device 1
+DUALPIPEV_MLP4 = [
+    piper.split({"PP": "*"}, num_microbatches=4),
+    *[piper.place({"PP": s}, [min(s, 3 - s)]) for s in range(4)],
+    *piper.schedules.dualpipev(2, 4),
+]
+
+
 def mlp_program_texts(directives: list, label_pattern: str) -> dict[str, str]:
     """The StableHLO piper-jax hands XLA for each program of one StageMLP(2, width=16)
     step under `directives` whose plan step matches `label_pattern` (a regex), by label."""

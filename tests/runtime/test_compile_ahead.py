@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import optax
 import pytest
-from helpers import StageMLP, mlp_batches, mlp_loss, xla_compilations
+from helpers import DUALPIPEV_MLP4, StageMLP, mlp_batches, mlp_loss, xla_compilations
 
 import piper_jax as piper
 from piper_jax import schedules
@@ -61,12 +61,7 @@ def test_program_names_say_what_runs_and_stay_short() -> None:
 
 
 IDENTICAL_STAGES = {
-    # DualPipeV's middle stages on device 1
-    "dualpipev": [
-        piper.split({"PP": "*"}, num_microbatches=4),
-        *[piper.place({"PP": s}, [min(s, 3 - s)]) for s in range(4)],
-        *schedules.dualpipev(2, 4),
-    ],
+    "dualpipev": DUALPIPEV_MLP4,  # the middle stages on device 1
     # stages 1-3 of one data-parallel group, their gradients in one all-reduced bucket
     "dp2": [piper.replicate({"PP": "*"}, [0, 1])],
 }

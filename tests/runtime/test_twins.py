@@ -10,19 +10,20 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import StageMLP, check_mlp_strategy, mlp_batches, mlp_loss, reference_training
+from helpers import (
+    DUALPIPEV_MLP4,
+    StageMLP,
+    check_mlp_strategy,
+    mlp_batches,
+    mlp_loss,
+    reference_training,
+)
 from piper_jax.mpmd_runtime.same_programs import SamePrograms
 
 import piper_jax as piper
 from piper_jax import schedules
 
 OPT = optax.adam(1e-2)
-# DualPipeV's V over StageMLP(4): the middle stages 1 and 2 both lie on device 1
-DUALPIPEV = (
-    [piper.split({"PP": "*"}, num_microbatches=4)]
-    + [piper.place({"PP": s}, [min(s, 3 - s)]) for s in range(4)]
-    + schedules.dualpipev(2, 4)
-)
 
 
 def programs_of_stages_1_and_2(step, group: str) -> list[str]:
@@ -39,7 +40,7 @@ def assert_shared(programs: list[str]) -> None:
 
 
 def test_dualpipev_middle_stages_share_their_programs() -> None:
-    step = check_mlp_strategy(DUALPIPEV, OPT, num_stages=4)
+    step = check_mlp_strategy(DUALPIPEV_MLP4, OPT, num_stages=4)
     assert step._executor.rt.twins((1,)) == {1: 1, 2: 1}
     on_device_1 = programs_of_stages_1_and_2(step, "d1:")
     assert_shared(on_device_1)
@@ -101,7 +102,7 @@ def test_identical_stages_share_their_update_and_optimizer_init(resolved) -> Non
     """Note [updates of identical stages]: stage 2's update and init run stage 1's
     programs, and its optimizer state keeps its own paths."""
     batches = mlp_batches(3)
-    step = check_mlp_strategy(DUALPIPEV, OPT, num_stages=4, batches=batches)
+    step = check_mlp_strategy(DUALPIPEV_MLP4, OPT, num_stages=4, batches=batches)
     # device 1's stages 1 and 2 share; device 0's stages 0 and 3 (the embedding's ends) differ
     assert sorted(resolved) == sorted(
         [("_init_whole", False)] * 3
@@ -127,7 +128,7 @@ def test_updates_of_stages_an_optimizer_treats_differently_stay_apart(resolved) 
         return jax.tree_util.tree_map_with_path(label, params)
 
     optimizer = optax.multi_transform({"trained": OPT, "frozen": optax.set_to_zero()}, labels)
-    step = check_mlp_strategy(DUALPIPEV, optimizer, num_stages=4)
+    step = check_mlp_strategy(DUALPIPEV_MLP4, optimizer, num_stages=4)
     assert not [name for name, shared in resolved if shared and name.startswith("UPD")], resolved
     first = jax.tree.leaves(StageMLP(4).blocks[2])
     for before, after in zip(first, jax.tree.leaves(step.params()["blocks"][2])):
