@@ -28,16 +28,19 @@ by their replayed start time (ties in resolution order): still valid, since a RE
 starts after its SEND ends, a collective after each member's previous step, and a
 group's steps in sequence, and each process now reaches a transfer about when its data
 is due.
-Among steps that start at the same replayed time, a SEND that meets no other as one
-exchange (exchanges.py, with each group standing in for a process) comes last: the
-receiving process then issues the work it can already run before it blocks in the
-transfer. Before, stage 1 of a 2-stage pipeline received the second activation before
-it issued its first forward, which waited for that transfer (2-process runs of
+Among steps that start at the same replayed time, the SENDs come last: the receiving
+process then issues the work it can already run before it blocks in the transfer.
+Before, stage 1 of a 2-stage pipeline received the second activation before it issued
+its first forward, which waited for that transfer (2-process runs of
 benchmarks/sim_vs_real.py at width 2048, two each way: steps of 144.9-148.6 ms against
 147.2-149.0 for GPipe, 135.4-139.6 against 140.1-141.8 for 1F1B, 143.8-157.1 against
-155.0-163.7 for ZB-H1 and 285.9-296.0 against 347.3-352.6 for DualPipeV). SENDs of an
-exchange keep their place: deferring every SEND split them into lone transfers, and
-ZB-H1 got slower.
+155.0-163.7 for ZB-H1 and 285.9-296.0 against 347.3-352.6 for DualPipeV). Only SENDs
+that met no other as one exchange were deferred at first, as deferring a SEND then could
+part an exchange; since an exchange may span a receiver's own work (Note [meeting before
+local work] in exchanges.py) deferring every SEND parts none in the schedule builders'
+plans, while deferring the lone ones, chosen on the order before deferring, made and
+parted other exchanges (the choice, made again on its own result, flipped between two
+sets for interleaved 1F1B).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from piper_jax.ir.errors import PlanError
 from piper_jax.ir.layout import group_str
-from piper_jax.mpmd_runtime.exchanges import Event, exchange_sets
+from piper_jax.mpmd_runtime.exchanges import Event
 from piper_jax.mpmd_runtime.instructions import ALL_REDUCE, FREE, RECV, SEND, Step
 
 Group = tuple[int, ...]
@@ -164,21 +167,9 @@ def dry_run(steps: Mapping[Group, Sequence[Step]]) -> tuple[list[Event], dict[Gr
     result = replay(steps, unit_cost)
     rounds = {g: [int(t) for t in result.start[g]] for g in steps}
     starts = [result.start[members[0]][index[0]] for members, index in result.order]
-    by_start = sorted(range(len(starts)), key=starts.__getitem__)  # stable: ties as resolved
-    # groups stand in for processes: a SEND that may meet another as one exchange stays
-    paired = {
-        by_start[p]
-        for run in exchange_sets(
-            [result.order[k] for k in by_start], steps, {g: frozenset({g}) for g in steps}
-        )
-        for p in run
-    }
-    lone = [
-        steps[members[0]][index[0]].head.op == SEND and k not in paired
-        for k, (members, index) in enumerate(result.order)
-    ]
-    by_start.sort(key=lambda k: (starts[k], lone[k]))
-    return [result.order[k] for k in by_start], rounds
+    sends = [steps[m[0]][i[0]].head.op == SEND for m, i in result.order]
+    order = sorted(range(len(starts)), key=lambda k: (starts[k], sends[k]))
+    return [result.order[k] for k in order], rounds
 
 
 def _deadlock_report(

@@ -37,6 +37,7 @@ def launch(nprocs: int, devices: int, *args: str, timeout: float = 240) -> str:
     "nprocs,devices,strategy",
     [
         (2, 1, "pp2_1f1b"),
+        (2, 1, "pp2_zbh1"),
         (2, 1, "dp2"),
         (2, 2, "pp2_dp2_1f1b"),
         (2, 1, "dualpipev2"),

@@ -32,6 +32,9 @@ def strategy(name: str) -> tuple[int, list]:
     if name == "pp2_1f1b":
         places = [piper.place({"PP": s}, [s]) for s in range(2)]
         return 2, split + places + schedules.one_f_one_b(2, 4)
+    if name == "pp2_zbh1":  # stage 1's deferred weight gradients sit inside exchanges
+        places = [piper.place({"PP": s}, [s]) for s in range(2)]
+        return 2, split + places + schedules.zero_bubble_h1(2, 4)
     if name == "dp2":
         return 2, [piper.replicate({"PP": "*"}, [0, 1])]
     if name == "pp2_dp2_1f1b":  # stage s on devices [s, s + 2]: each group spans both processes
@@ -132,6 +135,9 @@ def main() -> None:
         if sys.argv[1] in ("pp2_1f1b", "pp2_dp2_1f1b"):  # Note [transfers that meet together]
             exchanges = [p for p in step._executor.exchanges.values() if len(p) > 1]
             assert len(exchanges) == 2, exchanges  # StageMLP's 1F1B at m = 4
+        if sys.argv[1] == "pp2_zbh1":  # Note [meeting before local work]
+            exchanges = [p for p in step._executor.exchanges.values() if len(p) > 1]
+            assert len(exchanges) == 2, exchanges  # BI1.k with F0.(k + 1), k = 1, 2
         if sys.argv[1] == "pp2_1f1b":
             check_recorded_transfers(step)
     print(f"ORACLE OK process {jax.process_index()} of {jax.process_count()}", flush=True)

@@ -46,6 +46,26 @@ def test_1f1b_pairs_each_gradient_with_the_next_activation() -> None:
     assert exchange_sets(plans.order, plans.steps, one) == []
 
 
+def test_zero_bubble_pairs_each_input_gradient_with_the_next_activation() -> None:
+    """Note [meeting before local work]: stage 1 runs a deferred weight gradient between
+    sending BI1.k and the transfer of F0.(k + 1); the two still meet as one."""
+    m = 8
+    directives = [piper.split({"PP": "*"}, num_microbatches=m)]
+    directives += [piper.place({"PP": s}, [s]) for s in range(2)]
+    directives += schedules.zero_bubble_h1(2, m)
+    plans = piper.lower(
+        mlp_loss, StageMLP(2), optax.sgd(0.1), mlp_batches(1)[0], directives, 2
+    ).plans
+    runs = exchange_sets(plans.order, plans.steps, one_process_per_device(plans.steps))
+    assert [labels(plans, run) for run in runs] == [
+        {f"SEND BI1.{k} -> d0", f"SEND F0.{k + 1} -> d1"} for k in range(1, m - 1)
+    ]
+    between = [
+        str(plans.steps[g[0]][i[0]]) for g, i in plans.order[runs[0][0] + 1 : runs[0][1]]
+    ]
+    assert "BW1.0" in between
+
+
 SCHEDULES = {  # (stages, device of stage s, order directives), 2 devices, m=8
     "one_f_one_b": (2, lambda s: s, schedules.one_f_one_b(2, 8)),
     "zero_bubble_h1": (2, lambda s: s, schedules.zero_bubble_h1(2, 8)),
@@ -60,7 +80,7 @@ def test_a_lone_transfer_is_issued_after_the_receivers_work_due_with_it(schedule
     """Note [issue order]: a SEND that meets no other comes after every step starting at
     the same replayed time, so the receiving process queues its ready work before it
     blocks in the transfer (stage 1's first forward before the second activation's
-    transfer); SENDs that meet as one exchange keep their place."""
+    transfer), and the steady state's SENDs still meet in pairs."""
     stages, device, orders = SCHEDULES[schedule]
     directives = [piper.split({"PP": "*"}, num_microbatches=8)]
     directives += [piper.place({"PP": s}, [device(s)]) for s in range(stages)]
@@ -80,8 +100,8 @@ def test_a_lone_transfer_is_issued_after_the_receivers_work_due_with_it(schedule
     if stages == 2:
         at = {str(s): k for k, s in enumerate(steps)}
         assert at["F1.0"] < at["SEND F0.1 -> d1"]
-    if schedule in ("one_f_one_b", "zero_bubble_h1"):  # the steady state's pairs stay
-        assert len(runs) == {"one_f_one_b": 6, "zero_bubble_h1": 3}[schedule]
+    if schedule in ("one_f_one_b", "zero_bubble_h1"):  # every steady-state pair meets
+        assert len(runs) == 6
 
 
 def synthetic(*rows: tuple[tuple[int, ...], str]) -> tuple[list, dict]:
@@ -106,13 +126,19 @@ BACKWARD = ((1,), "SEND B1.0 -> d0")
         ([], True),
         ([((0,), "FREE F0.0"), ((1,), "RECV F0.1 <- d0")], True),  # host steps only
         ([((2,), "F2.0")], True),  # another process's step
-        ([((0,), "F0.2")], False),  # a step of a process taking part
-        ([((1,), "B1.1")], False),
+        # work of a process that only receives later: it runs after the meeting
+        ([((0,), "F0.2")], True),
+        ([((1,), "B1.1")], False),  # work of the later SEND's sender
+        ([((0,), "F0.2"), ((1,), "B1.1")], False),
         ([((1,), "RECV B1.0 <- d2")], False),  # rewrites what the later SEND sends
         ([((1,), "FREE B1.0")], False),
+        ([((0,), "SEND F0.2 -> d2")], False),  # a meeting with another process
     ],
 )
 def test_what_may_stand_between_two_sends_of_one_exchange(between, fused) -> None:
+    """Note [meeting before local work]: FORWARD (process 0 to 1), then BACKWARD
+    (1 to 0) may meet as one exchange at FORWARD's place unless what stands between
+    changes BACKWARD's value or its sender's arrival, or is another meeting."""
     order, steps = synthetic(FORWARD, *between, BACKWARD)
     runs = exchange_sets(order, steps, one_process_per_device(steps))
     assert runs == ([[0, len(between) + 1]] if fused else [])
