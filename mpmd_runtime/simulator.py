@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from piper_jax.ir.errors import PiperError
 from piper_jax.ir.layout import group_str
+from piper_jax.mpmd_runtime.exchanges import Event, exchange_sets
 from piper_jax.mpmd_runtime.instructions import FREE, RECV, RUN, SEND, UPD, Instruction, Step
 from piper_jax.mpmd_runtime.plans import Plans
 from piper_jax.mpmd_runtime.replay import replay
@@ -249,7 +250,12 @@ def simulate(
     if table["DISPATCH"] > 0:
         hosts = _Hosts(plans, processes or {}, table["DISPATCH"], host_shares_core)
     if meeting or hosts:
-        starts, spans = _walk_issue_order(plans, step_cost, transfer_latency, meeting, hosts)
+        order, joined = plans.order, set()
+        if meeting:
+            order, joined = _exchanges_first(plans, processes or {})
+        starts, spans = _walk_issue_order(
+            plans, order, step_cost, transfer_latency, meeting, joined, hosts
+        )
     else:
         starts, spans = replay(plans.steps, step_cost, transfer_latency).start, {}
     timeline = []
@@ -305,6 +311,26 @@ def _meeting_transfers(plans: Plans, processes: Mapping[int, int]) -> set[tuple[
     return meeting
 
 
+def _exchanges_first(
+    plans: Plans, processes: Mapping[int, int]
+) -> tuple[list[Event], set[tuple[Group, int]]]:
+    """The global issue order with the later SENDs of each exchange moved up to its first,
+    where the runtime runs them all as one program (exchanges.py), and those later SENDs
+    (group, index): one program, issued once."""
+    of_group = {g: frozenset(processes.get(d, 0) for d in g) for g in plans.steps}
+    runs = exchange_sets(plans.order, plans.steps, of_group)
+    later = {p: run[0] for run in runs for p in run[1:]}
+    moved: dict[int, list[Event]] = defaultdict(list)
+    for p, first in later.items():
+        moved[first].append(plans.order[p])
+    order: list[Event] = []
+    for p, event in enumerate(plans.order):
+        if p not in later:
+            order += [event, *moved.get(p, ())]
+    joined = {(plans.order[p][0][0], plans.order[p][1][0]) for p in later}
+    return order, joined
+
+
 # Note [the host issues the steps]
 # Each process's host issues its steps one by one in the global issue order, and XLA
 # runs them asynchronously, so the host runs ahead of its devices: it issues a whole step
@@ -358,23 +384,25 @@ class _Hosts:
 
 def _walk_issue_order(
     plans: Plans,
+    order: Sequence[Event],
     step_cost: Callable[[Group, Step], float],
     transfer_latency: float,
     meeting: set[tuple[Group, int]],
+    joined: set[tuple[Group, int]],
     hosts: _Hosts | None,
 ) -> tuple[dict[Group, list[float]], dict[tuple[Group, int], tuple[float, float]]]:
-    """Start of every step, walking the plans' global issue order (a valid order: every
-    step after what it waits for), with the `meeting` transfers as Note [transfers
-    between processes meet] says and the hosts as Note [the host issues the steps] says;
-    and the start and length of each meeting on its receiving group, by that group's
-    RECV step."""
+    """Start of every step, walking a valid issue order (every step after what it waits
+    for), with the `meeting` transfers as Note [transfers between processes meet] says
+    (those `joined` to an earlier one's exchange issued with it) and the hosts as Note
+    [the host issues the steps] says; and the start and length of each meeting on its
+    receiving group, by that group's RECV step."""
     free_at = {g: 0.0 for g in plans.steps}
     start: dict[Group, list[float]] = {g: [0.0] * len(s) for g, s in plans.steps.items()}
     arrives: dict[tuple[str, Group, Group], list[float]] = defaultdict(list)
     taken: dict[tuple[str, Group, Group], int] = defaultdict(int)
     met: dict[tuple[str, Group, Group], list[tuple[float, float]]] = defaultdict(list)
     spans: dict[tuple[Group, int], tuple[float, float]] = {}
-    for members, index in plans.order:
+    for members, index in order:
         g, i = members[0], index[0]
         step = plans.steps[g][i]
         head = step.head
@@ -384,7 +412,8 @@ def _walk_issue_order(
             issued, on_host = 0.0, False
             if hosts:
                 on_host = free_at[receiver] <= hosts.at[hosts.processes[receiver][0]]
-                issued = hosts.issue((g, receiver), free_at)
+                if (g, i) not in joined:
+                    issued = hosts.issue((g, receiver), free_at)
             t0 = max(free_at[g], free_at[receiver], issued)
             if on_host:
                 hosts.wait(receiver, t0 + cost)

@@ -231,6 +231,19 @@ def test_transfers_between_processes_wait_for_their_receiver() -> None:
         assert send.start == pytest.approx(both_free)
 
 
+def test_transfers_of_one_exchange_meet_together() -> None:
+    """The runtime runs an exchange's SENDs as one program at the first one's place
+    (Note [meeting before local work] in exchanges.py), so stage 1's deferred weight
+    gradient in a 2-process ZB-H1 runs after both of a pair's transfers, not between."""
+    plans = pipeline_step("zero_bubble_h1", 2, 4).plans
+    timeline = simulate(plans, {**FB, "BI": 1, "BW": 1, "SEND": 0.5}, processes={0: 0, 1: 1})
+    at = {e.label: e for e in timeline.timeline}
+    for k in (1, 2):
+        first, joined = at[f"SEND BI1.{k} -> d0"], at[f"SEND F0.{k + 1} -> d1"]
+        assert joined.start == pytest.approx(first.end)
+        assert at[f"BW1.{k - 1}"].start >= joined.end
+
+
 def _issued(plans, g: tuple) -> int:
     """Steps of group g its host issues: all but FREE and taking a value from the mailbox."""
     return sum(1 for step in plans.steps[g] if step.head.op not in ("FREE", "RECV"))
