@@ -29,41 +29,29 @@ def labels(plans, run: list[int]) -> set[str]:
     return {str(plans.steps[plans.order[k][0][0]][plans.order[k][1][0]]) for k in run}
 
 
-def test_1f1b_pairs_each_gradient_with_the_next_activation() -> None:
+@pytest.mark.parametrize(
+    "builder,gradient", [(schedules.one_f_one_b, "B1"), (schedules.zero_bubble_h1, "BI1")]
+)
+def test_each_gradient_meets_the_next_activation(builder, gradient) -> None:
+    """1F1B's and ZB-H1's steady state: the gradient of microbatch k going back and the
+    activation of k + 1 going forward meet as one exchange; in ZB-H1 across stage 1's
+    deferred weight gradient of k - 1 (Note [meeting before local work])."""
     m = 8
     directives = [piper.split({"PP": "*"}, num_microbatches=m)]
     directives += [piper.place({"PP": s}, [s]) for s in range(2)]
-    directives += schedules.one_f_one_b(2, m)
+    directives += builder(2, m)
     plans = piper.lower(
         mlp_loss, StageMLP(2), optax.sgd(0.1), mlp_batches(1)[0], directives, 2
     ).plans
     runs = exchange_sets(plans.order, plans.steps, one_process_per_device(plans.steps))
     assert [labels(plans, run) for run in runs] == [
-        {f"SEND B1.{k} -> d0", f"SEND F0.{k + 1} -> d1"} for k in range(1, m - 1)
+        {f"SEND {gradient}.{k} -> d0", f"SEND F0.{k + 1} -> d1"} for k in range(1, m - 1)
     ]
+    between = {str(plans.steps[g[0]][i[0]]) for g, i in plans.order[runs[0][0] : runs[0][1]]}
+    assert ("BW1.0" in between) == (gradient == "BI1")
     # both stages in one process: nothing to meet for
     one = {g: frozenset({0}) for g in plans.steps}
     assert exchange_sets(plans.order, plans.steps, one) == []
-
-
-def test_zero_bubble_pairs_each_input_gradient_with_the_next_activation() -> None:
-    """Note [meeting before local work]: stage 1 runs a deferred weight gradient between
-    sending BI1.k and the transfer of F0.(k + 1); the two still meet as one."""
-    m = 8
-    directives = [piper.split({"PP": "*"}, num_microbatches=m)]
-    directives += [piper.place({"PP": s}, [s]) for s in range(2)]
-    directives += schedules.zero_bubble_h1(2, m)
-    plans = piper.lower(
-        mlp_loss, StageMLP(2), optax.sgd(0.1), mlp_batches(1)[0], directives, 2
-    ).plans
-    runs = exchange_sets(plans.order, plans.steps, one_process_per_device(plans.steps))
-    assert [labels(plans, run) for run in runs] == [
-        {f"SEND BI1.{k} -> d0", f"SEND F0.{k + 1} -> d1"} for k in range(1, m - 1)
-    ]
-    between = [
-        str(plans.steps[g[0]][i[0]]) for g, i in plans.order[runs[0][0] + 1 : runs[0][1]]
-    ]
-    assert "BW1.0" in between
 
 
 SCHEDULES = {  # (stages, device of stage s, order directives), 2 devices, m=8
