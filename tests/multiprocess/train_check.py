@@ -77,6 +77,12 @@ def strategy(name: str) -> tuple[int, list]:
     raise SystemExit(f"unknown strategy {name}")
 
 
+# transfers that meet as one program per step, at m = 4 (Note [transfers that meet
+# together]): 1F1B's B1.k with F0.(k + 1), ZB-H1's BI1.k with F0.(k + 1) across stage 1's
+# deferred weight gradient (Note [meeting before local work]), k = 1, 2
+EXCHANGES = {"pp2_1f1b": 2, "pp2_dp2_1f1b": 2, "pp2_zbh1": 2}
+
+
 def check_moe_pp2_ep2() -> None:
     """The example MoE transformer, one stage per process, each stage's experts split
     over its process's two devices (routing, capacity and the aux loss as on one device)."""
@@ -132,12 +138,9 @@ def main() -> None:
         experts = 4 if "_ep" in sys.argv[1] else 0  # the toy expert layers of StageMLP
         step = check_mlp_strategy(directives, optax.adam(1e-2), num_stages, experts=experts)
         check_transfer_witnesses(step)
-        if sys.argv[1] in ("pp2_1f1b", "pp2_dp2_1f1b"):  # Note [transfers that meet together]
+        if sys.argv[1] in EXCHANGES:
             exchanges = [p for p in step._executor.exchanges.values() if len(p) > 1]
-            assert len(exchanges) == 2, exchanges  # StageMLP's 1F1B at m = 4
-        if sys.argv[1] == "pp2_zbh1":  # Note [meeting before local work]
-            exchanges = [p for p in step._executor.exchanges.values() if len(p) > 1]
-            assert len(exchanges) == 2, exchanges  # BI1.k with F0.(k + 1), k = 1, 2
+            assert len(exchanges) == EXCHANGES[sys.argv[1]], exchanges
         if sys.argv[1] == "pp2_1f1b":
             check_recorded_transfers(step)
     print(f"ORACLE OK process {jax.process_index()} of {jax.process_count()}", flush=True)
