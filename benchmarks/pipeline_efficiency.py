@@ -35,7 +35,8 @@ Per m, the table gives each variant's median step over all rounds' steps, the ra
 per-round medians, the speedup over jit1, for 2-process variants the fraction of the ideal
 2m/(m+1) (bubble (p-1)/(m+p-1) with p=2), each rank's process CPU time per timed step
 (median over rounds; all threads of the process: compute, dispatch, and any busy-waiting
-in transfers), and the time to build and run the warm-up steps. For each piper variant it
+in transfers), and the time to build and run the warm-up steps; below it, each round's
+fraction of the ideal against that round's jit1 (the README's ranges). For each piper variant it
 also gives, per rank and from the last round, the closures dispatched per step (one per
 plan step, FREEs included, the SENDs of one exchange counted once) and their
 instructions by op, the time the host spends in the dispatch loop (`Executor.run`,
@@ -331,6 +332,15 @@ def measure(args: argparse.Namespace, m: int, scaling: float) -> None:
         "per round medians (ms): "
         + "; ".join(f"{v} " + " ".join(f"{x * 1e3:.1f}" for x in rounds[v]) for v in variants)
     )
+    pipelines = [v for v in variants if PROCESSES[v] > PROCESSES[ref]]
+    if pipelines:  # each round's speedup over the same round's baseline, lowest first
+        per_round = {
+            v: sorted(r / x / ideal for r, x in zip(rounds[ref], rounds[v])) for v in pipelines
+        }
+        print(
+            f"of the ideal per round (over that round's {ref}): "
+            + "; ".join(f"{v} " + " ".join(f"{f:.2f}" for f in per_round[v]) for v in pipelines)
+        )
     for v, per_rank in probes.items():
         for rank, p in enumerate(per_rank):
             if p is None:

@@ -28,7 +28,10 @@ RUNS = {
     ],
 }  # fmt: skip
 # a line each run must print: the part of its output that a bug would leave out
-EXPECTED = {"sim_vs_real": "transfers once every rank was in them"}
+EXPECTED = {
+    "sim_vs_real": "transfers once every rank was in them",
+    "pipeline_efficiency": "of the ideal per round (over that round's jit1): 1f1b",
+}
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
