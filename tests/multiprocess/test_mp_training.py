@@ -40,6 +40,7 @@ def launch(nprocs: int, devices: int, *args: str, timeout: float = 240) -> str:
         (2, 1, "pp2_zbh1"),
         (2, 1, "dp2"),
         (2, 2, "pp2_dp2_1f1b"),
+        (2, 1, "interleaved2"),
         (2, 1, "dualpipev2"),
         (2, 2, "pp2_2_to_1"),
         (2, 2, "pp2_1_to_2_zero3"),

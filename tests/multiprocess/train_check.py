@@ -71,6 +71,9 @@ def strategy(name: str) -> tuple[int, list]:
                 piper.shard({"PP": s, "EP": "*"}, devices),
             ]
         return 2, split + directives + schedules.one_f_one_b(2, 4)
+    if name == "interleaved2":  # rank r holds stages r and r + 2
+        places = [piper.place({"PP": s}, [s % 2]) for s in range(4)]
+        return 4, split + places + schedules.interleaved_1f1b(4, 4, 2)
     if name == "dualpipev2":  # rank r holds stages r and 3 - r
         places = [piper.place({"PP": s}, [min(s, 3 - s)]) for s in range(4)]
         return 4, split + places + schedules.dualpipev(2, 4)
