@@ -319,10 +319,8 @@ def _exchanges_first(
     (group, index): one program, issued once."""
     of_group = {g: frozenset(processes.get(d, 0) for d in g) for g in plans.steps}
     runs = exchange_sets(plans.order, plans.steps, of_group)
-    later = {p: run[0] for run in runs for p in run[1:]}
-    moved: dict[int, list[Event]] = defaultdict(list)
-    for p, first in later.items():
-        moved[first].append(plans.order[p])
+    moved = {run[0]: [plans.order[p] for p in run[1:]] for run in runs}
+    later = {p for run in runs for p in run[1:]}
     order: list[Event] = []
     for p, event in enumerate(plans.order):
         if p not in later:
