@@ -20,6 +20,7 @@ from jax._src import (
     xla_bridge,  # private: has the backend started?
 )
 from jax._src.array import ArrayImpl  # private: an array from device arrays, unchecked
+from jax._src.interpreters import partial_eval  # private: dead-code elimination of jaxprs
 
 SUPPORTED_JAX_VERSIONS = ("0.10.2",)
 
@@ -193,24 +194,74 @@ def _rounds_to_itself(eqn: JaxprEqn) -> bool:
     return (eqn.params["exponent_bits"], eqn.params["mantissa_bits"]) == (info.nexp, info.nmant)
 
 
+def traced_with_shape(fn: Callable[..., Any], *args: Any) -> tuple[ClosedJaxpr, Any]:
+    """`fn(*args)` as a jaxpr over the leaves of `args`, and the shape of its result."""
+
+    def traced(*inner: Any) -> Any:
+        return fn(*inner)
+
+    # traced through a plain function: JAX names a traced callable that has no code
+    # object (a `jax.vjp` pullback) by printing it, its whole jaxpr (0.1 s of a small
+    # GPT's backward trace, growing with the model)
+    return jax.make_jaxpr(traced, return_shape=True)(*args)
+
+
 def run_rewritten(
     fn: Callable[..., Any], rewrite: Callable[[ClosedJaxpr], ClosedJaxpr]
 ) -> Callable[..., Any]:
     """`fn`, traced to a jaxpr, rewritten by `rewrite` and run (its outputs as `fn`
     returns them; an output that is an input stays that very object)."""
 
-    def traced(*args: Any) -> Any:
-        return fn(*args)
-
     def run(*args: Any) -> Any:
-        # traced through a plain function: JAX names a traced callable that has no code
-        # object (a `jax.vjp` pullback) by printing it, its whole jaxpr (0.1 s of a small
-        # GPT's backward trace, growing with the model)
-        closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(*args)
+        closed, out_shape = traced_with_shape(fn, *args)
         outs = run_jaxpr(rewrite(closed))(*jax.tree.leaves(args))
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
     return run
+
+
+# calls whose body's inputs and outputs are the equation's own, one for one, and which
+# dead-code elimination cuts output by output
+_TRANSPARENT_CALLS = frozenset({"jit", "pjit", "closed_call", "remat2", "custom_jvp_call"})
+
+
+def outputs_free_of(closed: ClosedJaxpr, inputs: Sequence[bool]) -> list[bool]:
+    """For each output of `closed`: whether it reads none of the inputs marked in
+    `inputs`, looking into nested calls (a `jnp.where` is a jit call whose zeros output
+    reads none of its inputs)."""
+    return _free_of(closed.jaxpr, inputs)
+
+
+def _free_of(jaxpr: jex.Jaxpr, inputs: Sequence[bool]) -> list[bool]:
+    reached = {v for v, marked in zip(jaxpr.invars, inputs) if marked}
+    for eqn in jaxpr.eqns:
+        reads = [is_var(a) and a in reached for a in eqn.invars]
+        if not any(reads):
+            continue
+        bodies = called_jaxprs(eqn)
+        body = bodies[0][0] if len(bodies) == 1 else None
+        if (
+            eqn.primitive.name in _TRANSPARENT_CALLS
+            and body is not None
+            and len(body.invars) == len(eqn.invars)
+            and len(body.outvars) == len(eqn.outvars)
+        ):
+            free = _free_of(body, reads)
+            reached.update(v for v, f in zip(eqn.outvars, free) if not f)
+        else:
+            reached.update(eqn.outvars)
+    return [not (is_var(v) and v in reached) for v in jaxpr.outvars]
+
+
+def output_slice(closed: ClosedJaxpr, outputs: Sequence[bool]) -> tuple[ClosedJaxpr, list[bool]]:
+    """`closed` cut down to the outputs marked in `outputs` (dead-code elimination, into
+    nested calls), and which of its inputs the cut jaxpr still takes."""
+    jaxpr, used_inputs = partial_eval.dce_jaxpr(closed.jaxpr, list(outputs))
+    return ClosedJaxpr(jaxpr, list(closed.consts)), used_inputs
+
+
+def is_tracer(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
 
 
 def eqn_like(

@@ -692,7 +692,8 @@ class Executor:
 
     def residual_bytes(self, g: Group) -> int:
         """Per device of g: bytes of the largest residual set one F of g leaves for its
-        backward (its VJP residuals without parameters, or its inputs under recompute)."""
+        backward (its VJP residuals without parameters and what is computed from them
+        alone, or its inputs under recompute)."""
         if g not in self.rt.local:
             return 0
         best = 0

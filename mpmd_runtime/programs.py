@@ -24,7 +24,9 @@ F keeps for its backward what `jax.vjp` needs, except the region's parameters: a
 leaf that *is* a parameter is dropped, and every backward pass takes the parameters as an
 input and puts them back. So a pipeline holds activations only between F and B, never a
 copy of the stage's weights per microbatch (which can be most of the memory), and a
-ZeRO-3 backward can take freshly gathered parameters.
+ZeRO-3 backward can take freshly gathered parameters. Leaves computed from parameters and
+constants alone (a weight transposed, a mask, zeros) the backward computes itself (Note
+[residuals from parameters alone] in ir/residuals.py).
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from piper_jax.ir.backward_split import split_backward
 from piper_jax.ir.errors import PlanError
-from piper_jax.ir.jax_compat import drop_noop_rounding, inline_checkpoints, run_rewritten
+from piper_jax.ir.jax_compat import drop_noop_rounding, inline_checkpoints
 from piper_jax.ir.layout import DP, EP, INNER_AXES, TP
 from piper_jax.ir.lift import LiftedLoss, Region
+from piper_jax.ir.residuals import ResidualSplit, linearize_split
 from piper_jax.ir.weight_products import swap_transposed_products, with_swapped_products
 
 AXIS = DP
@@ -292,7 +295,7 @@ class RegionPrograms:
         self.sources = cotangent_sources(lifted, region)
         self.consumers = sorted({c for src in self.sources for c, _ in src})
         self._shapes = [jax.ShapeDtypeStruct(s, d) for s, d in region.in_shapes]
-        self._structure: tuple[Any, dict[int, int], list] | None = None  # _residual_structure
+        self._structure: ResidualSplit | None = None  # _residual_structure
         rep, per = P(), P(AXIS)
         self.forward = spmd(self._forward, mesh, (rep, per, per), (per, per))
         self.evaluate = spmd(self._evaluate, mesh, (rep, per, per), per)
@@ -317,11 +320,11 @@ class RegionPrograms:
 
     # ---- residual structure, found once while tracing the forward ---------------------
 
-    def _residual_structure(self) -> tuple[Any, dict[int, int], list]:
-        """The VJP's treedef, which of its leaves are parameters (leaf -> param index), and
-        its leaves' abstract values (Note [residuals hold activations only]). The forward's
-        trace records it (tracing the region's VJP is a good part of a program's build:
-        0.28 s of a small GPT's 3.4 s to its first step); a backward or a BI/BW split
+    def _residual_structure(self) -> ResidualSplit:
+        """How the VJP's leaves reach the backward (Note [residuals hold activations
+        only], Note [residuals from parameters alone]). The forward's trace records it
+        (tracing the region's VJP is a good part of a program's build: 0.28 s of a small
+        GPT's 3.4 s to its first step); a backward or a BI/BW split
         traced before it traces the forward abstractly for it, as the forward's program:
         which residuals a VJP holds can depend on where it is traced (a `jax.checkpoint`
         traced bare kept a scalar as a constant that it kept as a residual inside
@@ -335,36 +338,25 @@ class RegionPrograms:
         assert self._structure is not None
         return self._structure
 
-    def _linearize_recorded(self, params: list, batch: list, acts: list) -> tuple[list, Any]:
-        """`_linearize`, recording the residual structure on first use and checking it on
-        every later one (a backward built for another structure would read the wrong
-        residuals)."""
-        linearize = self._linearize
-        if self.keep:  # a checkpoint policy (Note [keeping only what costs work])
-            linearize = run_rewritten(linearize, drop_noop_rounding)
-        outs, vjp = linearize(params, batch, acts)
-        leaves, treedef = jax.tree.flatten(vjp)
-        avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    def _linearize_recorded(self, params: list, batch: list, acts: list) -> tuple[list, list]:
+        """`_linearize`'s outputs and the residuals F keeps, recording the residual
+        structure on first use and checking it on every later one (a backward built for
+        another structure would read the wrong residuals)."""
+        # a checkpoint policy's rounding (Note [keeping only what costs work])
+        rewrite = drop_noop_rounding if self.keep else None
+        outs, leaves, split = linearize_split(self._linearize, params, batch, acts, rewrite)
         if self._structure is None:
-            slots = {j: i for j, x in enumerate(leaves) for i, p in enumerate(params) if x is p}
-            self._structure = (treedef, slots, avals)
-        elif avals != self._structure[2]:
+            self._structure = split
+        elif split.avals != self._structure.avals:
             raise PlanError(
-                f"region {self.region.index}: its forward keeps {len(avals)} residual arrays "
-                f"where its backward was built for {len(self._structure[2])}; please report "
-                "this model (piper-jax traced the forward's VJP two different ways)"
+                f"region {self.region.index}: its forward keeps {len(split.avals)} residual "
+                f"arrays where its backward was built for {len(self._structure.avals)}; please "
+                "report this model (piper-jax traced the forward's VJP two different ways)"
             )
-        return outs, vjp
-
-    def _kept(self, vjp: Any) -> list:
-        slots = self._residual_structure()[1]
-        leaves = jax.tree.leaves(vjp)
-        return [leaf for j, leaf in enumerate(leaves) if j not in slots]
+        return outs, self._structure.kept(leaves)
 
     def _leaves(self, params: list, kept: list) -> list:
-        _, slots, avals = self._residual_structure()
-        rest = iter(kept)
-        return [params[slots[j]] if j in slots else next(rest) for j in range(len(avals))]
+        return self._residual_structure().leaves(params, kept)
 
     # ---- per-replica functions (inside shard_map every stacked value has leading axis 1)
 
@@ -403,8 +395,8 @@ class RegionPrograms:
         if self.recompute:
             outs = self.region.fn(params, batch, acts)
             return stack(self._laid_out(outs)), stack((batch, acts))
-        outs, vjp = self._linearize_recorded(params, batch, acts)
-        return stack(self._laid_out(outs)), stack(self._kept(vjp))
+        outs, kept = self._linearize_recorded(params, batch, acts)
+        return stack(self._laid_out(outs)), stack(kept)
 
     def _evaluate(self, params: list, batch: list, acts: list) -> list:
         batch, acts = self._entering(batch, acts)
@@ -414,7 +406,9 @@ class RegionPrograms:
         if self.recompute:
             batch, acts = unstack(res)
             return self._linearize(params, batch, acts)[1]
-        return jax.tree.unflatten(self._residual_structure()[0], self._leaves(params, unstack(res)))
+        return jax.tree.unflatten(
+            self._residual_structure().treedef, self._leaves(params, unstack(res))
+        )
 
     def _backward(self, params: list, res: Any, cots: list, *acc: list) -> tuple:
         vjp = self._vjp(params, res)
@@ -444,7 +438,8 @@ class RegionPrograms:
     def _split(self) -> tuple[Callable, Callable, int]:
         """(BI, BW, number of cross values), cut from the backward jaxpr on first use."""
         assert not self.recompute, "recompute and the BI/BW split exclude each other"
-        treedef, _, avals = self._residual_structure()
+        structure = self._residual_structure()
+        treedef, avals = structure.treedef, list(structure.avals)
         seeds = [
             jax.ShapeDtypeStruct(*self.region.out_shapes[i])
             for i, f in enumerate(self.float_out)

@@ -3,12 +3,12 @@ estimated from them without devices: the inputs of `piper_jax.search` and `piper
 
 Note [timing a region's passes]
 Each region's passes run on one device the way the runtime runs them: F keeps the VJP
-residuals (less the parameters, Note [residuals hold activations only] in
-mpmd_runtime/programs.py), B applies them to a cotangent for each float output. They
-run at the per-replica microbatch size a strategy gives them, on the real parameters and
-on activations that the earlier regions computed from the example batch. Regions whose
-traced programs are the same (the middle blocks of a transformer) are compiled and
-timed once. Each time is the fastest of a few runs after a warm-up run.
+residuals (less the parameters and what is computed from them alone, Note [residuals
+hold activations only] in mpmd_runtime/programs.py), B applies them to a cotangent for
+each float output. They run at the per-replica microbatch size a strategy gives them, on
+the real parameters and on activations that the earlier regions computed from the example
+batch. Regions whose traced programs are the same (the middle blocks of a transformer)
+are compiled and timed once. Each time is the fastest of a few runs after a warm-up run.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ import optax
 from flax import nnx
 
 from piper_jax.ir.dag import NodeKind, TrainingDAG
+from piper_jax.ir.jax_compat import drop_noop_rounding
 from piper_jax.ir.lift import LiftedLoss, Region
+from piper_jax.ir.residuals import linearize_split
 from piper_jax.mpmd_runtime.programs import linearize_region, pull_back, swaps_products
 from piper_jax.mpmd_runtime.simulator import TimelineEvent, peak_activations
 from piper_jax.rng import COUNTER_AVAL
@@ -76,14 +78,12 @@ def residual_bytes(region: Region, lifted: LiftedLoss, keep: str = "") -> int:
     shapes = [jax.ShapeDtypeStruct(s, d) for s, d in region.in_shapes]
     n_p, n_b = len(region.param_ids), len(region.batch_ids)
     kept: list[Any] = []
+    rewrite = drop_noop_rounding if keep else None  # as the runtime's forward runs
 
     def probe(params: list, batch: list, acts: list) -> list:
-        outs, vjp = _linearize(region, lifted, keep)(params, batch, acts)
-        kept.extend(
-            jax.ShapeDtypeStruct(x.shape, x.dtype)
-            for x in jax.tree.leaves(vjp)
-            if not any(x is p for p in params)
-        )
+        linearize = _linearize(region, lifted, keep)
+        outs, _, split = linearize_split(linearize, params, batch, acts, rewrite)
+        kept.extend(split.kept_avals)
         return outs
 
     jax.eval_shape(probe, shapes[:n_p], shapes[n_p : n_p + n_b], shapes[n_p + n_b :])

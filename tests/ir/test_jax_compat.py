@@ -68,3 +68,21 @@ def test_run_rewritten_runs_the_rewrite_without_printing_the_function():
     np.testing.assert_allclose(np.asarray(got), np.sin(np.arange(3.0)) * 2, rtol=1e-6)
     assert seen == [["sin", "mul"]]
     assert _Pullback.printed == 0
+
+
+def test_an_output_of_a_nested_call_that_reads_no_marked_input_is_free_of_it():
+    """`jnp.where` is a jit call: its zeros output reads none of its inputs, so it is
+    free of the marked input although the call reads it, and the slice computing it takes
+    the unmarked input only."""
+
+    def fn(w, x):
+        where = jax.jit(lambda m, s: (jnp.where(m, s, 0.0), jnp.zeros_like(s)))
+        selected, zeros = where(w > 0, x * w)
+        return selected, zeros + w, x
+
+    closed = jax.make_jaxpr(fn)(jnp.ones(3), jnp.ones(3))
+    assert jax_compat.outputs_free_of(closed, [False, True]) == [False, True, False]
+    sliced, reads = jax_compat.output_slice(closed, [False, True, False])
+    assert reads == [True, False]
+    w = jnp.arange(3.0)
+    np.testing.assert_array_equal(jax_compat.run_jaxpr(sliced)(w)[0], w)

@@ -3,10 +3,21 @@ weights for its backward, so a pipeline holds activations only between F and B."
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import optax
-from helpers import StageMLP, mlp_batches, mlp_loss, mlp_program_texts
+import pytest
+from flax import nnx
+from helpers import (
+    StageMLP,
+    assert_matches_reference,
+    mlp_batches,
+    mlp_loss,
+    mlp_program_texts,
+)
 
 import piper_jax as piper
+from piper_jax import annotate
 
 
 def test_forward_residuals_exclude_the_weights() -> None:
@@ -99,3 +110,77 @@ def test_a_checkpointed_forward_rounds_no_float32_residual() -> None:
     forward = mlp_program_texts([piper.recompute({"PP": "*"}, keep="costly")], r"\bF\d")
     for label, text in forward.items():
         assert "reduce_precision" not in text, label
+
+
+class MaskedAttention(nnx.Module):
+    """Blocks of causal self-attention (one PP region each) whose value weight is
+    normalized (weight normalization): what their VJP keeps includes a broadcast mask,
+    the zeros of `jnp.where`'s other branch and the weight's norm, none of which reads
+    the batch."""
+
+    def __init__(self, num_stages: int = 2, width: int = 8):
+        rngs = nnx.Rngs(0)
+        self.query = nnx.List([nnx.Linear(width, width, rngs=rngs) for _ in range(num_stages)])
+        self.value = nnx.List(
+            [
+                nnx.Param(jax.random.normal(rngs.params(), (width, width)) * 0.3)
+                for _ in range(num_stages)
+            ]
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        seq = x.shape[1]
+        for s, (query, value) in enumerate(zip(self.query, self.value)):
+            with annotate("PP", s):
+                scores = query(x) @ x.transpose(0, 2, 1)
+                scores = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), scores, -jnp.inf)
+                normalized = value[...] / jnp.linalg.norm(value[...])
+                x = x + jax.nn.softmax(scores) @ (x @ normalized)
+        return x
+
+
+def attention_loss(model: MaskedAttention, batch: dict) -> jax.Array:
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def attention_batches(steps: int, rows: int = 4, seq: int = 6, width: int = 8) -> list[dict]:
+    keys = jax.random.split(jax.random.key(1), 2 * steps)
+    return [
+        {
+            "x": jax.random.normal(keys[2 * i], (rows, seq, width)),
+            "y": jax.random.normal(keys[2 * i + 1], (rows, seq, width)),
+        }
+        for i in range(steps)
+    ]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_the_backward_computes_what_reads_only_parameters(schedule: str) -> None:
+    """Note [residuals from parameters alone]: the causal mask broadcast to the scores,
+    the zeros `jnp.where` keeps and the value weight's norm leave the forward's
+    outputs (no boolean array is kept, and every stage's F keeps fewer bytes than its VJP
+    holds), and the backward, whole or cut into BI and BW, computes them again: the
+    pipeline trains as the single-device oracle does."""
+    from piper_jax import schedules
+
+    batches = attention_batches(3)
+    m, rows, seq = 2, 4, 6
+    build = schedules.one_f_one_b if schedule == "1f1b" else schedules.zero_bubble_h1
+    directives = [
+        piper.split({"PP": "*"}, num_microbatches=m),
+        piper.place({"PP": 0}, [0]),
+        piper.place({"PP": 1}, [1]),
+        *build(2, m),
+    ]
+    optimizer = optax.adam(1e-2)
+    step = piper.compile(attention_loss, MaskedAttention(), optimizer, batches[0], directives)
+    assert_matches_reference(step, attention_loss, MaskedAttention, optimizer, batches)
+    scores = (rows // m) * seq * seq
+    for g in [(0,), (1,)]:
+        split = step._executor.rt.programs(g[0], g)._residual_structure()
+        derived = [split.avals[j] for j in split.derived]
+        kept = split.kept_avals
+        assert not [a for a in kept if a.dtype == jnp.bool_], kept
+        assert any(a.dtype == jnp.bool_ and a.size == scores for a in derived), derived
+        assert any(a.dtype == jnp.float32 and a.size == scores for a in derived), derived
+        assert any(a.shape == () for a in derived), derived  # the weight's norm
