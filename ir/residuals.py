@@ -80,12 +80,10 @@ def linearize_split(
     values = jc.run_jaxpr(closed)(*params, *batch, *acts)
     n_out, n_p = len(jax.tree.leaves(outs_shape)), len(params)
     jaxpr = closed.jaxpr
-    param_vars = jaxpr.invars[:n_p]
+    param_index = {v: i for i, v in enumerate(jaxpr.invars[:n_p])}
     residual_vars = jaxpr.outvars[n_out:]
     param_of = {
-        j: next(i for i, p in enumerate(param_vars) if p is v)
-        for j, v in enumerate(residual_vars)
-        if jc.is_var(v) and any(p is v for p in param_vars)
+        j: param_index[v] for j, v in enumerate(residual_vars) if jc.is_var(v) and v in param_index
     }
     free = jc.outputs_free_of(closed, [i >= n_p for i in range(len(jaxpr.invars))])[n_out:]
     candidates = [j for j, f in enumerate(free) if f and j not in param_of]
