@@ -22,6 +22,7 @@ RUNS = {
         "--width", "32", "--batch-size", "16", "--m", "4", "--steps", "1", "--trace", "1",
     ],
     "plans_at_scale": ["--sizes", "small"],
+    "residual_bytes": ["--seq-lens", "16", "--d-model", "16", "--batch-size", "4", "-m", "2"],
     "moe_schedules": [
         "--schedules", "dualpipev", "--steps", "1", "--batch-size", "16", "--seq-len", "8",
         "--d-model", "16",
@@ -31,6 +32,7 @@ RUNS = {
 EXPECTED = {
     "sim_vs_real": "transfers once every rank was in them",
     "pipeline_efficiency": "of the ideal per round (over that round's jit1): 1f1b",
+    "residual_bytes": "kept/vjp",
 }
 
 
