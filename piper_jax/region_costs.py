@@ -90,6 +90,25 @@ def residual_bytes(region: Region, lifted: LiftedLoss, keep: str = "") -> int:
     return _nbytes(kept)
 
 
+def _passes(region: Region, lifted: LiftedLoss, swap: bool) -> tuple[Callable, Callable]:
+    """`region`'s F and B as jitted functions, passing what the runtime's do: F returns
+    its outputs and the residuals it keeps, B takes the parameters, those residuals and a
+    cotangent per float output (its weight gradients as direct products if `swap`)."""
+    splits = []
+
+    def forward(params: list, batch: list, acts: list) -> tuple[Any, list]:
+        outs, leaves, split = linearize_split(_linearize(region, lifted), params, batch, acts)
+        splits.append(split)
+        return outs, split.kept(leaves)
+
+    def backward(params: list, kept: list, cots: list) -> Any:
+        split = splits[0]  # traced by the forward's first call
+        vjp = jax.tree.unflatten(split.treedef, split.leaves(params, kept))
+        return pull_back(vjp, cots, swap)
+
+    return jax.jit(forward), jax.jit(backward)
+
+
 def input_bytes(region: Region) -> int:
     """Bytes of a region's batch and activation inputs (what `recompute` keeps)."""
     inputs = region.in_shapes[len(region.param_ids) :]
@@ -128,12 +147,10 @@ def measure_regions(
         acts = [outputs[a.region][a.position] for a in region.act_inputs]
         key = str(jax.make_jaxpr(region.fn)(params, batch, acts))
         if key not in programs:
-            forward = jax.jit(_linearize(region, lifted))
-            swap = swaps_products(device)  # as the runtime's backward runs
-            backward = jax.jit(lambda vjp, cots, swap=swap: pull_back(vjp, cots, swap))
-            f_time, (outs, vjp) = seconds_of(forward, params, batch, acts)
+            forward, backward = _passes(region, lifted, swaps_products(device))
+            f_time, (outs, kept) = seconds_of(forward, params, batch, acts)
             floats = [o for i, o in enumerate(outs) if region.out_is_float(i)]
-            b_time, _ = seconds_of(backward, vjp, [jnp.ones_like(o) for o in floats])
+            b_time, _ = seconds_of(backward, params, kept, [jnp.ones_like(o) for o in floats])
             programs[key] = (forward, backward, f_time, b_time)
         forward, _, f_time, b_time = programs[key]
         outputs[region.index] = forward(params, batch, acts)[0]
