@@ -4,7 +4,8 @@ Note [residuals from parameters alone]
 `jax.vjp` keeps every value its linear part reads, and some of those read no batch or
 activation input: a causal mask broadcast to the attention scores' shape, the zeros a
 `jnp.where` keeps for its other branch's cotangent (as wide as the scores), a norm's
-scale reshaped, a weight transposed or cast. Within one jit XLA folds such values into
+scale reshaped, the bf16 copy of a kernel that a mixed-precision layer makes from its
+fp32 parameter (half the stage's weight bytes). Within one jit XLA folds such values into
 the backward's kernels; with the forward and backward as separate programs, F wrote each
 one for every microbatch, B read it back, and a pipeline held them for every microbatch
 in flight. In the example GPT (d_model 128, 4 layers, 8 sequences of 128 per replica)

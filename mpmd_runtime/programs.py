@@ -25,7 +25,7 @@ leaf that *is* a parameter is dropped, and every backward pass takes the paramet
 input and puts them back. So a pipeline holds activations only between F and B, never a
 copy of the stage's weights per microbatch (which can be most of the memory), and a
 ZeRO-3 backward can take freshly gathered parameters. Leaves computed from parameters and
-constants alone (a weight transposed, a mask, zeros) the backward computes itself (Note
+constants alone (a weight cast to bf16, a mask, zeros) the backward computes itself (Note
 [residuals from parameters alone] in ir/residuals.py).
 """
 

@@ -57,3 +57,21 @@ def test_bf16_compute_with_fp32_accumulation_matches_one_device() -> None:
     for got, want in zip(jax.tree.leaves(step.params()), jax.tree.leaves(ref_params)):
         assert np.asarray(got).dtype == np.float32
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2e-2)
+
+
+def test_the_forward_keeps_no_bf16_copy_of_the_weights() -> None:
+    """Note [residuals from parameters alone]: a bf16 layer over fp32 parameters casts its
+    kernel every forward, and `jax.vjp` keeps that bf16 kernel for the input gradient; F
+    keeps only activations, the backward casts the kernel again."""
+    width, rows, m = 256, 32, 4
+    directives = [piper.split({"PP": "*"}, num_microbatches=m)]
+    directives += [piper.place({"PP": s}, [s]) for s in range(2)]
+    directives += schedules.one_f_one_b(2, m)
+    batch = mlp_batches(1, batch_size=rows)[0]
+    step = piper.compile(mlp_loss, MixedMLP(width), optax.adam(1e-2), batch, directives)
+    step(batch)
+    kernel_bf16 = width * width * 2
+    activations = (rows // m) * width * 2
+    for g in [(0,), (1,)]:
+        kept = step._executor.residual_bytes(g)
+        assert activations <= kept < kernel_bf16 / 4, (g, kept)
