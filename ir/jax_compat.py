@@ -222,33 +222,35 @@ def run_rewritten(
 
 # calls whose body's inputs and outputs are the equation's own, one for one, and which
 # dead-code elimination cuts output by output
-_TRANSPARENT_CALLS = frozenset({"jit", "pjit", "closed_call", "remat2", "custom_jvp_call"})
+TRANSPARENT_CALLS = frozenset({"jit", "pjit", "closed_call", "remat2", "custom_jvp_call"})
 
 
-def outputs_free_of(closed: ClosedJaxpr, inputs: Sequence[bool]) -> list[bool]:
+def outputs_free_of(
+    closed: ClosedJaxpr, inputs: Sequence[bool], only: frozenset[str] | None = None
+) -> list[bool]:
     """For each output of `closed`: whether it reads none of the inputs marked in
     `inputs`, looking into nested calls (a `jnp.where` is a jit call whose zeros output
-    reads none of its inputs)."""
-    return _free_of(closed.jaxpr, inputs)
+    reads none of its inputs); given `only`, also whether every equation on its way is
+    one of those primitives."""
+    return _free_of(closed.jaxpr, inputs, only)
 
 
-def _free_of(jaxpr: jex.Jaxpr, inputs: Sequence[bool]) -> list[bool]:
+def _free_of(jaxpr: jex.Jaxpr, inputs: Sequence[bool], only: frozenset[str] | None) -> list[bool]:
     reached = {v for v, marked in zip(jaxpr.invars, inputs) if marked}
     for eqn in jaxpr.eqns:
         reads = [is_var(a) and a in reached for a in eqn.invars]
-        if not any(reads):
-            continue
         bodies = called_jaxprs(eqn)
         body = bodies[0][0] if len(bodies) == 1 else None
-        if (
-            eqn.primitive.name in _TRANSPARENT_CALLS
+        transparent = (
+            eqn.primitive.name in TRANSPARENT_CALLS
             and body is not None
             and len(body.invars) == len(eqn.invars)
             and len(body.outvars) == len(eqn.outvars)
-        ):
-            free = _free_of(body, reads)
+        )
+        if transparent and (any(reads) or only is not None):
+            free = _free_of(body, reads, only)
             reached.update(v for v, f in zip(eqn.outvars, free) if not f)
-        else:
+        elif any(reads) or (only is not None and eqn.primitive.name not in only):
             reached.update(eqn.outvars)
     return [not (is_var(v) and v in reached) for v in jaxpr.outvars]
 

@@ -18,43 +18,72 @@ all of their inputs) leave F's outputs, and the backward computes them from the
 parameters it takes anyway, with a dead-code-eliminated slice of that jaxpr. A leaf that
 *is* a parameter is the parameter (Note [residuals hold activations only] in
 mpmd_runtime/programs.py).
+
+The same holds for a leaf that reads the batch but no activation through cheap
+elementwise and layout work only (`CHEAP_PRIMITIVES`), such as a padding mask broadcast
+to the scores' shape: F keeps the batch leaves that slice reads instead (a (batch,
+sequence) mask for a (batch, heads, sequence, sequence) one), when they are smaller than
+what they replace. Costly work read from the batch (a product with a weight, random bits
+for dropout) stays kept: the backward would compute it a second time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from piper_jax.ir import jax_compat as jc
+
+# cheap elementwise and layout work: recomputing it costs less than keeping its result
+CHEAP_PRIMITIVES = frozenset(
+    {
+        *("add", "sub", "mul", "neg", "max", "min", "abs", "sign", "square"),
+        *("integer_pow", "select_n", "clamp", "convert_element_type", "copy", "copy_p"),
+        *("eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor"),
+        *("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "rev"),
+        *("slice", "dynamic_slice", "concatenate", "pad", "iota"),
+        *("reshard", "sharding_constraint", "device_put", "mesh_cast", "pbroadcast"),
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class ResidualSplit:
     """How the leaves of a VJP reach the backward: as a parameter (`param_of`: leaf ->
-    parameter index), computed from the parameters (`derived`, by `derive`), or kept by
-    the forward (every other leaf, in order)."""
+    parameter index), computed by `derive` from the parameters and the batch leaves
+    `batch_reads` (`derived`), or kept by the forward (every other leaf, in order,
+    followed by those batch leaves)."""
 
     treedef: Any
     avals: tuple[jax.ShapeDtypeStruct, ...]
     param_of: Mapping[int, int]
     derived: tuple[int, ...]
-    derive: Callable[[Sequence[Any]], list[Any]]
+    batch_reads: tuple[int, ...]
+    batch_avals: tuple[jax.ShapeDtypeStruct, ...]
+    derive: Callable[[Sequence[Any], Sequence[Any]], list[Any]]
 
     @property
     def kept_avals(self) -> list[jax.ShapeDtypeStruct]:
-        return self.kept(self.avals)
+        return self._own(self.avals) + list(self.batch_avals)
 
-    def kept(self, leaves: Sequence[Any]) -> list[Any]:
-        """The leaves the forward keeps, out of all of them."""
+    def kept(self, leaves: Sequence[Any], batch: Sequence[Any]) -> list[Any]:
+        """What the forward keeps, from all the VJP's leaves and the batch leaves."""
+        return self._own(leaves) + [batch[i] for i in self.batch_reads]
+
+    def _own(self, leaves: Sequence[Any]) -> list[Any]:
         skip = set(self.param_of) | set(self.derived)
         return [x for j, x in enumerate(leaves) if j not in skip]
 
     def leaves(self, params: Sequence[Any], kept: Sequence[Any]) -> list[Any]:
-        """All the VJP's leaves again, from the parameters and the kept leaves."""
-        derived = dict(zip(self.derived, self.derive(params))) if self.derived else {}
-        rest = iter(kept)
+        """All the VJP's leaves again, from the parameters and what the forward kept."""
+        n_own = len(kept) - len(self.batch_reads)
+        own, batch = kept[:n_own], kept[n_own:]
+        derived = dict(zip(self.derived, self.derive(params, batch))) if self.derived else {}
+        rest = iter(own)
         out = []
         for j in range(len(self.avals)):
             if j in self.param_of:
@@ -79,47 +108,91 @@ def linearize_split(
     if rewrite is not None:
         closed = rewrite(closed)
     values = jc.run_jaxpr(closed)(*params, *batch, *acts)
-    n_out, n_p = len(jax.tree.leaves(outs_shape)), len(params)
+    n_out, n_p, n_b = len(jax.tree.leaves(outs_shape)), len(params), len(batch)
     jaxpr = closed.jaxpr
     param_index = {v: i for i, v in enumerate(jaxpr.invars[:n_p])}
     residual_vars = jaxpr.outvars[n_out:]
     param_of = {
         j: param_index[v] for j, v in enumerate(residual_vars) if jc.is_var(v) and v in param_index
     }
-    free = jc.outputs_free_of(closed, [i >= n_p for i in range(len(jaxpr.invars))])[n_out:]
-    candidates = [j for j, f in enumerate(free) if f and j not in param_of]
-    derived, derive = _deriver(closed, n_out, n_p, candidates)
+    n_in = len(jaxpr.invars)
+    free = jc.outputs_free_of(closed, [i >= n_p for i in range(n_in)])[n_out:]
+    acts = [i >= n_p + n_b for i in range(n_in)]
+    cheaply = jc.outputs_free_of(closed, acts, CHEAP_PRIMITIVES)[n_out:]
+    from_params = [j for j, f in enumerate(free) if f and j not in param_of]
+    from_batch = [j for j, (f, c) in enumerate(zip(free, cheaply)) if c and not f]
+    deriver = _Deriver(closed, n_out, n_p, n_b)
+    derived, reads = deriver.choose(from_params, from_batch)
     split = ResidualSplit(
         treedef=jax.tree.structure(vjp_shape),
-        avals=tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in residual_vars),
+        avals=tuple(_aval(v) for v in residual_vars),
         param_of=param_of,
         derived=derived,
-        derive=derive,
+        batch_reads=reads,
+        batch_avals=tuple(_aval(jaxpr.invars[n_p + i]) for i in reads),
+        derive=deriver.function(derived),
     )
     outs = jax.tree.unflatten(jax.tree.structure(outs_shape), values[:n_out])
     return outs, values[n_out:], split
 
 
-def _deriver(
-    closed: jc.ClosedJaxpr, n_out: int, n_p: int, candidates: Sequence[int]
-) -> tuple[tuple[int, ...], Callable[[Sequence[Any]], list[Any]]]:
-    """The residual leaves among `candidates` a slice of `closed` computes from the
-    parameters alone, and that slice as a function of the parameters."""
-    if any(jc.is_tracer(c) for c in closed.consts):
-        candidates = []  # constants of an enclosing trace cannot reach another program
-    num_outputs = len(closed.jaxpr.outvars)
+def _aval(atom: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(jc.atom_shape(atom), jc.atom_dtype(atom))
 
-    def cut(leaves: Sequence[int]) -> tuple[jc.ClosedJaxpr, list[bool]]:
-        marked = {n_out + j for j in leaves}
-        return jc.output_slice(closed, [i in marked for i in range(num_outputs)])
 
-    sliced, reads = cut(candidates)
-    if any(reads[n_p:]):  # a call the slice could not cut: keep what needs no data
-        candidates = [j for j in candidates if not any(cut([j])[1][n_p:])]
-        sliced, reads = cut(candidates)
-    run = jc.run_jaxpr(sliced)
+def _nbytes(avals: Sequence[jax.ShapeDtypeStruct]) -> int:
+    return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in avals)
 
-    def derive(params: Sequence[Any]) -> list[Any]:
-        return run(*[p for p, used in zip(params, reads) if used])
 
-    return tuple(candidates), derive
+class _Deriver:
+    """Slices of a linearization's jaxpr computing residual leaves without activations."""
+
+    def __init__(self, closed: jc.ClosedJaxpr, n_out: int, n_p: int, n_b: int):
+        self.closed, self.n_out, self.n_p, self.n_b = closed, n_out, n_p, n_b
+        # constants of an enclosing trace cannot reach another program
+        self.usable = not any(jc.is_tracer(c) for c in closed.consts)
+
+    def cut(self, leaves: Sequence[int]) -> tuple[jc.ClosedJaxpr, list[bool]]:
+        """The slice computing `leaves`, and which inputs of the jaxpr it reads."""
+        marked = {self.n_out + j for j in leaves}
+        outputs = [i in marked for i in range(len(self.closed.jaxpr.outvars))]
+        return jc.output_slice(self.closed, outputs)
+
+    def _reads_acts(self, leaves: Sequence[int]) -> bool:
+        return any(self.cut(leaves)[1][self.n_p + self.n_b :])
+
+    def choose(
+        self, from_params: Sequence[int], from_batch: Sequence[int]
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The leaves to derive (all of `from_params`; `from_batch`, cheap work on the
+        batch, when it outweighs the batch leaves it reads) and the batch leaves their
+        slice reads."""
+        if not self.usable:
+            return (), ()
+        cheap = list(from_batch)
+        if cheap:
+            reads = self.cut(cheap)[1][self.n_p : self.n_p + self.n_b]
+            avals = self.closed.jaxpr.invars[self.n_p : self.n_p + self.n_b]
+            read_bytes = _nbytes([_aval(v) for v, r in zip(avals, reads) if r])
+            outvars = self.closed.jaxpr.outvars[self.n_out :]
+            if _nbytes([_aval(outvars[j]) for j in cheap]) <= read_bytes:
+                cheap = []
+        derived = sorted([*from_params, *cheap])
+        if self._reads_acts(derived):  # a call the slice could not cut
+            derived = [j for j in derived if not self._reads_acts([j])]
+        reads = self.cut(derived)[1][self.n_p : self.n_p + self.n_b] if derived else []
+        return tuple(derived), tuple(i for i, r in enumerate(reads) if r)
+
+    def function(self, derived: Sequence[int]) -> Callable[[Sequence[Any], Sequence[Any]], list]:
+        """`derived`'s slice as a function of the parameters and the batch leaves it reads."""
+        if not derived:
+            return lambda params, batch: []
+        sliced, reads = self.cut(derived)
+        run = jc.run_jaxpr(sliced)
+        used_params = reads[: self.n_p]
+
+        def derive(params: Sequence[Any], batch: Sequence[Any]) -> list[Any]:
+            return run(*[p for p, used in zip(params, used_params) if used], *batch)
+
+        return derive
+

@@ -45,7 +45,7 @@ from piper_jax.ir.errors import PlanError
 from piper_jax.ir.jax_compat import drop_noop_rounding, inline_checkpoints
 from piper_jax.ir.layout import DP, EP, INNER_AXES, TP
 from piper_jax.ir.lift import LiftedLoss, Region
-from piper_jax.ir.residuals import ResidualSplit, linearize_split
+from piper_jax.ir.residuals import CHEAP_PRIMITIVES, ResidualSplit, linearize_split
 from piper_jax.ir.weight_products import swap_transposed_products, with_swapped_products
 
 AXIS = DP
@@ -179,10 +179,12 @@ def pull_back(vjp: Callable, cotangents: Any, swap_products: bool) -> Any:
 # (matrix products, divisions, transcendental functions, reductions, gathers, random
 # bits) and has the backward recompute the cheap elementwise and layout work from those
 # inside its own kernels (`jax.checkpoint` with a policy; no CSE barrier, as F and B are
-# separate programs). The example GPT (d_model 128, 4 layers, 8 sequences of 128 per replica) then
-# keeps 90 arrays of 45.2 MiB per microbatch instead of 157 of 100.8 MiB, with the same
-# losses. Against a pjit step in the same runs its data-parallel step took 0.89x against
-# 0.94x keeping everything, its ZeRO-3 step 1.02-1.04x against 1.01-1.03x (two runs).
+# separate programs). The example GPT (d_model 128, 4 layers, 8 sequences of 128 per
+# replica) then keeps 90 arrays of 45.2 MiB per microbatch instead of 157 of 100.8 MiB,
+# with the same losses (85 and 133 since the backward computes what reads no activation,
+# Note [residuals from parameters alone] in ir/residuals.py). Against a pjit step in the
+# same runs its data-parallel step took 0.89x against 0.94x keeping everything, its
+# ZeRO-3 step 1.02-1.04x against 1.01-1.03x (two runs).
 # Recomputing divisions too (the softmax's) kept 37.2 MiB but made those steps 0.92x and
 # 1.05x. Not the default: ZeRO-3 still pays a little, and it rests on few runs.
 # Two things make a checkpointed region run as fast as it can: the backward's
@@ -192,22 +194,10 @@ def pull_back(vjp: Callable, cotangents: Any, swap_products: bool) -> Any:
 # (`reduce_precision`, against excess precision in narrower types), which XLA:CPU ran as
 # kernels of its own for float32 (5% of a ZeRO-3 step): the forward drops those
 # (`jax_compat.drop_noop_rounding`).
-RECOMPUTED_PRIMITIVES = frozenset(
-    {
-        *("add", "sub", "mul", "neg", "max", "min", "abs", "sign", "square"),
-        *("integer_pow", "select_n", "clamp", "convert_element_type", "copy", "copy_p"),
-        *("eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor"),
-        *("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "rev"),
-        *("slice", "dynamic_slice", "concatenate", "pad", "iota"),
-        *("reshard", "sharding_constraint", "device_put", "mesh_cast", "pbroadcast"),
-    }
-)
-
-
 def keeps_costly(prim: Any, *_: Any, **__: Any) -> bool:
     """A checkpoint policy: keep the output of every primitive but cheap elementwise and
     layout work (Note [keeping only what costs work])."""
-    return prim.name not in RECOMPUTED_PRIMITIVES
+    return prim.name not in CHEAP_PRIMITIVES
 
 
 def with_recompute_policy(fn: Callable, keep: str) -> Callable:
@@ -353,7 +343,7 @@ class RegionPrograms:
                 f"arrays where its backward was built for {len(self._structure.avals)}; please "
                 "report this model (piper-jax traced the forward's VJP two different ways)"
             )
-        return outs, self._structure.kept(leaves)
+        return outs, self._structure.kept(leaves, batch)
 
     def _leaves(self, params: list, kept: list) -> list:
         return self._residual_structure().leaves(params, kept)

@@ -99,7 +99,7 @@ def _passes(region: Region, lifted: LiftedLoss, swap: bool) -> tuple[Callable, C
     def forward(params: list, batch: list, acts: list) -> tuple[Any, list]:
         outs, leaves, split = linearize_split(_linearize(region, lifted), params, batch, acts)
         splits.append(split)
-        return outs, split.kept(leaves)
+        return outs, split.kept(leaves, batch)
 
     def backward(params: list, kept: list, cots: list) -> Any:
         split = splits[0]  # traced by the forward's first call

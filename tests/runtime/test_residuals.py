@@ -184,3 +184,53 @@ def test_the_backward_computes_what_reads_only_parameters(schedule: str) -> None
         assert any(a.dtype == jnp.bool_ and a.size == scores for a in derived), derived
         assert any(a.dtype == jnp.float32 and a.size == scores for a in derived), derived
         assert any(a.shape == () for a in derived), derived  # the weight's norm
+
+
+class PaddedAttention(MaskedAttention):
+    """MaskedAttention whose scores also hide padded keys, from a (rows, seq) mask in the
+    batch: what the VJP keeps includes that mask broadcast to the scores' shape."""
+
+    def __call__(self, x: jax.Array, padding: jax.Array) -> jax.Array:
+        for s, (query, value) in enumerate(zip(self.query, self.value)):
+            with annotate("PP", s):
+                scores = query(x) @ x.transpose(0, 2, 1)
+                scores = jnp.where(padding[:, None, :], scores, -1e9)
+                x = x + jax.nn.softmax(scores) @ (x @ value[...])
+        return x
+
+
+def padded_loss(model: PaddedAttention, batch: dict) -> jax.Array:
+    return jnp.mean((model(batch["x"], batch["padding"]) - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_the_backward_computes_cheap_work_on_the_batch_from_the_batch(schedule: str) -> None:
+    """Note [residuals from parameters alone]: a padding mask from the batch, broadcast to
+    the scores' shape, is not kept; the forward keeps the (rows, seq) mask it came from
+    and the backward broadcasts it again, training as the single-device oracle does. What
+    costs work on the batch alone (the first stage's softmax) stays kept."""
+    from piper_jax import schedules
+
+    m, rows, seq = 2, 4, 6
+    batches = attention_batches(3, rows, seq)
+    for i, b in enumerate(batches):  # sequence r has its last r % seq positions padded
+        b["padding"] = jnp.arange(seq)[None, :] < seq - (jnp.arange(rows)[:, None] + i) % seq
+    build = schedules.one_f_one_b if schedule == "1f1b" else schedules.zero_bubble_h1
+    directives = [
+        piper.split({"PP": "*"}, num_microbatches=m),
+        piper.place({"PP": 0}, [0]),
+        piper.place({"PP": 1}, [1]),
+        *build(2, m),
+    ]
+    optimizer = optax.adam(1e-2)
+    step = piper.compile(padded_loss, PaddedAttention(), optimizer, batches[0], directives)
+    assert_matches_reference(step, padded_loss, PaddedAttention, optimizer, batches)
+    for g in [(0,), (1,)]:
+        split = step._executor.rt.programs(g[0], g)._residual_structure()
+        kept = split.kept_avals
+        bools = [a.shape for a in kept if a.dtype == jnp.bool_]
+        assert bools == [(rows // m, seq)], kept  # the batch's mask, not its broadcast
+        derived = [split.avals[j] for j in split.derived]
+        assert any(a.dtype == jnp.bool_ and a.size == (rows // m) * seq * seq for a in derived)
+        # stage 0 reads only the batch, but its softmax's exponentials cost work: kept
+        assert any(a.dtype == jnp.float32 and a.shape == (rows // m, seq, seq) for a in kept)
