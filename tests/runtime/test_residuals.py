@@ -3,6 +3,8 @@ weights for its backward, so a pipeline holds activations only between F and B."
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -15,6 +17,7 @@ from helpers import (
     mlp_loss,
     mlp_program_texts,
 )
+from piper_jax.ir.residuals import ResidualSplit
 
 import piper_jax as piper
 from piper_jax import annotate
@@ -154,17 +157,13 @@ def attention_batches(steps: int, rows: int = 4, seq: int = 6, width: int = 8) -
     ]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_the_backward_computes_what_reads_only_parameters(schedule: str) -> None:
-    """Note [residuals from parameters alone]: the causal mask broadcast to the scores,
-    the zeros `jnp.where` keeps and the value weight's norm leave the forward's
-    outputs (no boolean array is kept, and every stage's F keeps fewer bytes than its VJP
-    holds), and the backward, whole or cut into BI and BW, computes them again: the
-    pipeline trains as the single-device oracle does."""
+def pipeline_splits(
+    loss: Callable, make_model: Callable, batches: list[dict], schedule: str, m: int
+) -> list[ResidualSplit]:
+    """Train `make_model()` as 2 stages on devices 0 and 1 under `schedule` ("1f1b" or
+    "zb-h1"), assert the single-device oracle, and return each stage's residual split."""
     from piper_jax import schedules
 
-    batches = attention_batches(3)
-    m, rows, seq = 2, 4, 6
     build = schedules.one_f_one_b if schedule == "1f1b" else schedules.zero_bubble_h1
     directives = [
         piper.split({"PP": "*"}, num_microbatches=m),
@@ -173,11 +172,22 @@ def test_the_backward_computes_what_reads_only_parameters(schedule: str) -> None
         *build(2, m),
     ]
     optimizer = optax.adam(1e-2)
-    step = piper.compile(attention_loss, MaskedAttention(), optimizer, batches[0], directives)
-    assert_matches_reference(step, attention_loss, MaskedAttention, optimizer, batches)
+    step = piper.compile(loss, make_model(), optimizer, batches[0], directives)
+    assert_matches_reference(step, loss, make_model, optimizer, batches)
+    return [step._executor.rt.programs(s, (s,))._residual_structure() for s in range(2)]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_the_backward_computes_what_reads_only_parameters(schedule: str) -> None:
+    """Note [residuals from parameters alone]: the causal mask broadcast to the scores,
+    the zeros `jnp.where` keeps and the value weight's norm leave the forward's
+    outputs (no boolean array is kept), and the backward, whole or cut into BI and BW,
+    computes them again: the
+    pipeline trains as the single-device oracle does."""
+    m, rows, seq = 2, 4, 6
     scores = (rows // m) * seq * seq
-    for g in [(0,), (1,)]:
-        split = step._executor.rt.programs(g[0], g)._residual_structure()
+    batches = attention_batches(3, rows, seq)
+    for split in pipeline_splits(attention_loss, MaskedAttention, batches, schedule, m):
         derived = [split.avals[j] for j in split.derived]
         kept = split.kept_avals
         assert not [a for a in kept if a.dtype == jnp.bool_], kept
@@ -209,28 +219,16 @@ def test_the_backward_computes_cheap_work_on_the_batch_from_the_batch(schedule: 
     the scores' shape, is not kept; the forward keeps the (rows, seq) mask it came from
     and the backward broadcasts it again, training as the single-device oracle does. What
     costs work on the batch alone (the first stage's softmax) stays kept."""
-    from piper_jax import schedules
-
     m, rows, seq = 2, 4, 6
     batches = attention_batches(3, rows, seq)
     for i, b in enumerate(batches):  # sequence r has its last r % seq positions padded
         b["padding"] = jnp.arange(seq)[None, :] < seq - (jnp.arange(rows)[:, None] + i) % seq
-    build = schedules.one_f_one_b if schedule == "1f1b" else schedules.zero_bubble_h1
-    directives = [
-        piper.split({"PP": "*"}, num_microbatches=m),
-        piper.place({"PP": 0}, [0]),
-        piper.place({"PP": 1}, [1]),
-        *build(2, m),
-    ]
-    optimizer = optax.adam(1e-2)
-    step = piper.compile(padded_loss, PaddedAttention(), optimizer, batches[0], directives)
-    assert_matches_reference(step, padded_loss, PaddedAttention, optimizer, batches)
-    for g in [(0,), (1,)]:
-        split = step._executor.rt.programs(g[0], g)._residual_structure()
+    splits = pipeline_splits(padded_loss, PaddedAttention, batches, schedule, m)
+    for g, split in enumerate(splits):
         kept = split.kept_avals
         bools = [a.shape for a in kept if a.dtype == jnp.bool_]
         assert bools == [(rows // m, seq)], kept  # the batch's mask, not its broadcast
         derived = [split.avals[j] for j in split.derived]
         assert any(a.dtype == jnp.bool_ and a.size == (rows // m) * seq * seq for a in derived)
-        # stage 0 reads only the batch, but its softmax's exponentials cost work: kept
-        assert any(a.dtype == jnp.float32 and a.shape == (rows // m, seq, seq) for a in kept)
+        if g == 0:  # it reads only the batch, but its softmax's exponentials cost work: kept
+            assert any(a.dtype == jnp.float32 and a.shape == (rows // m, seq, seq) for a in kept)
