@@ -121,8 +121,7 @@ def linearize_split(
     cheaply = jc.outputs_free_of(closed, acts, CHEAP_PRIMITIVES)[n_out:]
     from_params = [j for j, f in enumerate(free) if f and j not in param_of]
     from_batch = [j for j, (f, c) in enumerate(zip(free, cheaply)) if c and not f]
-    deriver = _Deriver(closed, n_out, n_p, n_b)
-    derived, reads = deriver.choose(from_params, from_batch)
+    derived, reads, derive = _Deriver(closed, n_out, n_p, n_b).choose(from_params, from_batch)
     split = ResidualSplit(
         treedef=jax.tree.structure(vjp_shape),
         avals=tuple(_aval(v) for v in residual_vars),
@@ -130,7 +129,7 @@ def linearize_split(
         derived=derived,
         batch_reads=reads,
         batch_avals=tuple(_aval(jaxpr.invars[n_p + i]) for i in reads),
-        derive=deriver.function(derived),
+        derive=derive,
     )
     outs = jax.tree.unflatten(jax.tree.structure(outs_shape), values[:n_out])
     return outs, values[n_out:], split
@@ -145,7 +144,8 @@ def _nbytes(avals: Sequence[jax.ShapeDtypeStruct]) -> int:
 
 
 class _Deriver:
-    """Slices of a linearization's jaxpr computing residual leaves without activations."""
+    """Which residual leaves a slice of a linearization's jaxpr computes without the
+    activations, and that slice."""
 
     def __init__(self, closed: jc.ClosedJaxpr, n_out: int, n_p: int, n_b: int):
         self.closed, self.n_out, self.n_p, self.n_b = closed, n_out, n_p, n_b
@@ -158,17 +158,17 @@ class _Deriver:
         outputs = [i in marked for i in range(len(self.closed.jaxpr.outvars))]
         return jc.output_slice(self.closed, outputs)
 
-    def _reads_acts(self, leaves: Sequence[int]) -> bool:
-        return any(self.cut(leaves)[1][self.n_p + self.n_b :])
+    def _reads_acts(self, reads: Sequence[bool]) -> bool:
+        return any(reads[self.n_p + self.n_b :])
 
     def choose(
         self, from_params: Sequence[int], from_batch: Sequence[int]
-    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    ) -> tuple[tuple[int, ...], tuple[int, ...], Callable[[Sequence[Any], Sequence[Any]], list]]:
         """The leaves to derive (all of `from_params`; `from_batch`, cheap work on the
-        batch, when it outweighs the batch leaves it reads) and the batch leaves their
-        slice reads."""
+        batch, when it outweighs the batch leaves it reads), the batch leaves their slice
+        reads, and that slice as a function of the parameters and those batch leaves."""
         if not self.usable:
-            return (), ()
+            from_params, from_batch = [], []
         cheap = list(from_batch)
         if cheap:
             reads = self.cut(cheap)[1][self.n_p : self.n_p + self.n_b]
@@ -178,21 +178,15 @@ class _Deriver:
             if _nbytes([_aval(outvars[j]) for j in cheap]) <= read_bytes:
                 cheap = []
         derived = sorted([*from_params, *cheap])
-        if self._reads_acts(derived):  # a call the slice could not cut
-            derived = [j for j in derived if not self._reads_acts([j])]
-        reads = self.cut(derived)[1][self.n_p : self.n_p + self.n_b] if derived else []
-        return tuple(derived), tuple(i for i, r in enumerate(reads) if r)
-
-    def function(self, derived: Sequence[int]) -> Callable[[Sequence[Any], Sequence[Any]], list]:
-        """`derived`'s slice as a function of the parameters and the batch leaves it reads."""
-        if not derived:
-            return lambda params, batch: []
         sliced, reads = self.cut(derived)
+        if self._reads_acts(reads):  # a call the slice could not cut
+            derived = [j for j in derived if not self._reads_acts(self.cut([j])[1])]
+            sliced, reads = self.cut(derived)
         run = jc.run_jaxpr(sliced)
         used_params = reads[: self.n_p]
 
         def derive(params: Sequence[Any], batch: Sequence[Any]) -> list[Any]:
             return run(*[p for p, used in zip(params, used_params) if used], *batch)
 
-        return derive
-
+        batch_reads = tuple(i for i, r in enumerate(reads[self.n_p : self.n_p + self.n_b]) if r)
+        return tuple(derived), batch_reads, derive

@@ -3,12 +3,12 @@ estimated from them without devices: the inputs of `piper_jax.search` and `piper
 
 Note [timing a region's passes]
 Each region's passes run on one device the way the runtime runs them: F keeps the VJP
-residuals (less the parameters and what is computed from them alone, Note [residuals
-hold activations only] in mpmd_runtime/programs.py), B applies them to a cotangent for
-each float output. They run at the per-replica microbatch size a strategy gives them, on
-the real parameters and on activations that the earlier regions computed from the example
-batch. Regions whose traced programs are the same (the middle blocks of a transformer)
-are compiled and timed once. Each time is the fastest of a few runs after a warm-up run.
+residuals (less the parameters and what the backward computes again, Note [residuals
+from parameters alone] in ir/residuals.py), B applies them to a cotangent for each float
+output. They run at the per-replica microbatch size a strategy gives them, on the real
+parameters and on activations that the earlier regions computed from the example batch.
+Regions whose traced programs are the same (the middle blocks of a transformer) are
+compiled and timed once. Each time is the fastest of a few runs after a warm-up run.
 """
 
 from __future__ import annotations
