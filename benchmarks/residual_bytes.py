@@ -23,6 +23,7 @@ jax.config.update("jax_num_cpu_devices", 2)
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from piper_jax.ir.residuals import nbytes  # noqa: E402
 
 import piper_jax as piper  # noqa: E402
 from piper_jax import schedules  # noqa: E402
@@ -32,10 +33,6 @@ from data import batches  # noqa: E402
 from gpt import GPT, GPTConfig, loss_fn  # noqa: E402
 
 MIB = 2**20
-
-
-def nbytes(avals: list) -> int:
-    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in avals)
 
 
 def stage_bytes(step: piper.TrainStep, group: tuple[int, ...]) -> tuple[int, int]:

@@ -139,7 +139,8 @@ def _aval(atom: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(jc.atom_shape(atom), jc.atom_dtype(atom))
 
 
-def _nbytes(avals: Sequence[jax.ShapeDtypeStruct]) -> int:
+def nbytes(avals: Sequence[Any]) -> int:
+    """Bytes of arrays of these shapes and dtypes."""
     return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in avals)
 
 
@@ -173,9 +174,9 @@ class _Deriver:
         if cheap:
             reads = self.cut(cheap)[1][self.n_p : self.n_p + self.n_b]
             avals = self.closed.jaxpr.invars[self.n_p : self.n_p + self.n_b]
-            read_bytes = _nbytes([_aval(v) for v, r in zip(avals, reads) if r])
+            read_bytes = nbytes([_aval(v) for v, r in zip(avals, reads) if r])
             outvars = self.closed.jaxpr.outvars[self.n_out :]
-            if _nbytes([_aval(outvars[j]) for j in cheap]) <= read_bytes:
+            if nbytes([_aval(outvars[j]) for j in cheap]) <= read_bytes:
                 cheap = []
         derived = sorted([*from_params, *cheap])
         sliced, reads = self.cut(derived)

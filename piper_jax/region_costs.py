@@ -28,7 +28,7 @@ from flax import nnx
 from piper_jax.ir.dag import NodeKind, TrainingDAG
 from piper_jax.ir.jax_compat import drop_noop_rounding
 from piper_jax.ir.lift import LiftedLoss, Region
-from piper_jax.ir.residuals import linearize_split
+from piper_jax.ir.residuals import linearize_split, nbytes
 from piper_jax.mpmd_runtime.programs import linearize_region, pull_back, swaps_products
 from piper_jax.mpmd_runtime.simulator import TimelineEvent, peak_activations
 from piper_jax.rng import COUNTER_AVAL
@@ -51,10 +51,6 @@ class RegionCost:
     backward: float
     residual_bytes: int
     input_bytes: int
-
-
-def _nbytes(avals: Sequence[Any]) -> int:
-    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in avals)
 
 
 def _float_parts(region: Region, lifted: LiftedLoss) -> tuple[list[bool], list[bool]]:
@@ -87,7 +83,7 @@ def residual_bytes(region: Region, lifted: LiftedLoss, keep: str = "") -> int:
         return outs
 
     jax.eval_shape(probe, shapes[:n_p], shapes[n_p : n_p + n_b], shapes[n_p + n_b :])
-    return _nbytes(kept)
+    return nbytes(kept)
 
 
 def _passes(region: Region, lifted: LiftedLoss, swap: bool) -> tuple[Callable, Callable]:
@@ -112,7 +108,7 @@ def _passes(region: Region, lifted: LiftedLoss, swap: bool) -> tuple[Callable, C
 def input_bytes(region: Region) -> int:
     """Bytes of a region's batch and activation inputs (what `recompute` keeps)."""
     inputs = region.in_shapes[len(region.param_ids) :]
-    return _nbytes([jax.ShapeDtypeStruct(s, d) for s, d in inputs])
+    return nbytes([jax.ShapeDtypeStruct(s, d) for s, d in inputs])
 
 
 def seconds_of(fn: Callable, *args: Any) -> tuple[float, Any]:
@@ -204,7 +200,7 @@ def optimizer_costs(
     """(seconds of one optimizer step over all of `params`, optimizer state bytes per
     parameter byte)."""
     state = jax.eval_shape(optimizer.init, params)
-    ratio = _nbytes(jax.tree.leaves(state)) / max(1, _nbytes(jax.tree.leaves(params)))
+    ratio = nbytes(jax.tree.leaves(state)) / max(1, nbytes(jax.tree.leaves(params)))
     if not timed:
         return 0.0, ratio
 
