@@ -117,8 +117,8 @@ def linearize_split(
     }
     n_in = len(jaxpr.invars)
     free = jc.outputs_free_of(closed, [i >= n_p for i in range(n_in)])[n_out:]
-    acts = [i >= n_p + n_b for i in range(n_in)]
-    cheaply = jc.outputs_free_of(closed, acts, CHEAP_PRIMITIVES)[n_out:]
+    act_inputs = [i >= n_p + n_b for i in range(n_in)]
+    cheaply = jc.outputs_free_of(closed, act_inputs, CHEAP_PRIMITIVES)[n_out:]
     from_params = [j for j, f in enumerate(free) if f and j not in param_of]
     from_batch = [j for j, (f, c) in enumerate(zip(free, cheaply)) if c and not f]
     derived, reads, derive = _Deriver(closed, n_out, n_p, n_b).choose(from_params, from_batch)
