@@ -1,7 +1,8 @@
 """Does the simulator predict the real step? Time each program (`measure_costs`),
 simulate the plans with those costs, and compare with the measured step time, for
-GPipe, 1F1B, ZB-H1 (2 stages, one per device) and DualPipeV (4 stages, 2 per device), on
-2 devices; the last line is the median absolute error over the schedules.
+GPipe, 1F1B, ZB-H1 (2 stages, one per device), DualPipeV (4 stages folded into a V, 2 per
+device) and interleaved 1F1B (4 stages, stage s on device s % 2), on 2 devices
+(`--schedules` picks some); the last line is the median absolute error over them.
 
 The simulator runs device groups side by side, as separate accelerators run. So by
 default each device is its own process (`piper-launch`, gloo on 127.0.0.1) pinned to a
@@ -23,7 +24,7 @@ measured cost, and how long the transfers took once both ranks were in them. Tha
 where the simulation and the real step part (docs/performance.md, "the simulator").
 
 Run: .venv/bin/python benchmarks/sim_vs_real.py [--processes 2] [--width 1024] [--m 8]
-     [--trace 3]
+     [--schedules gpipe interleaved_1f1b] [--trace 3]
 """
 
 from __future__ import annotations
@@ -37,7 +38,15 @@ import sys
 import time
 from typing import Any
 
-SCHEDULES = ("gpipe", "one_f_one_b", "zero_bubble_h1", "dualpipev")
+# schedule -> (stages, the device of each stage, the builder's arguments for m microbatches)
+SCHEDULES = {
+    "gpipe": (2, (0, 1), lambda m: (2, m)),
+    "one_f_one_b": (2, (0, 1), lambda m: (2, m)),
+    "zero_bubble_h1": (2, (0, 1), lambda m: (2, m)),
+    # DualPipeV folds its stages into a V: 0 and 3 on device 0, 1 and 2 on device 1
+    "dualpipev": (4, (0, 1, 1, 0), lambda m: (2, m)),
+    "interleaved_1f1b": (4, (0, 1, 0, 1), lambda m: (4, m, 2)),
+}
 ONE_THREAD = "--xla_cpu_multi_thread_eigen=false"  # XLA ignores every flag after a bad token
 
 
@@ -48,6 +57,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--m", type=int, default=8, help="microbatches")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--schedules", nargs="+", choices=list(SCHEDULES), default=list(SCHEDULES))
     parser.add_argument("--show-costs", action="store_true", help="print the measured costs")
     parser.add_argument(
         "--trace",
@@ -193,14 +203,12 @@ def run(args: argparse.Namespace) -> None:
     batch = {k: rng.normal(size=(args.batch_size, 8)).astype(np.float32) for k in ("x", "y")}
     rows = []
     traced: dict[str, list[str]] = {}
-    for name in SCHEDULES:
-        stages = 4 if name == "dualpipev" else 2
-        # DualPipeV folds its stages into a V: 0 and 3 on device 0, 1 and 2 on device 1
-        device_of = [min(s, stages - 1 - s) for s in range(stages)] if stages == 4 else [0, 1]
+    for name in args.schedules:
+        stages, device_of, builder_args = SCHEDULES[name]
         directives = [
             piper.split({"PP": "*"}, num_microbatches=args.m),
             *(piper.place({"PP": s}, [d]) for s, d in enumerate(device_of)),
-            *getattr(piper.schedules, name)(2, args.m),
+            *getattr(piper.schedules, name)(*builder_args(args.m)),
         ]
         step = piper.compile(
             mlp_loss, StageMLP(stages, width=args.width), optax.sgd(1e-3), batch, directives
