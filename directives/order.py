@@ -21,27 +21,24 @@ from piper_jax.ir.errors import DirectiveError
 def apply_orders(dag: TrainingDAG, orders: Sequence[tuple[int, Order]]) -> TrainingDAG:
     """Every (directive index, order) in turn on one copy of `dag`; a cycle is refused
     naming the first order that closes it."""
+    ordered = _with_orders(dag, orders, check=False)
+    if ordered.find_cycle():  # name the order that closes it (only on this error path)
+        dag.check_acyclic("the directives before the orders")
+        _with_orders(dag, orders, check=True)
+    return ordered
+
+
+def _with_orders(dag: TrainingDAG, orders: Sequence[tuple[int, Order]], check: bool) -> TrainingDAG:
+    """A copy of `dag` with the orders applied in turn; with `check`, refusing the first
+    order after which it has a cycle."""
     dag = dag.copy()
     index = NodeIndex(dag.compute_nodes())
     overlap = 1 + max((n.overlap or 0 for n in dag.nodes.values()), default=0)
     for i, directive in orders:
         overlap = apply_order(dag, directive, i, index, overlap)
-    if dag.find_cycle():
-        _refuse_cycle(dag, orders)
+        if check:
+            dag.check_acyclic(f"directive {i} (order)")
     return dag
-
-
-def _refuse_cycle(dag: TrainingDAG, orders: Sequence[tuple[int, Order]]) -> None:
-    """Find the order directive whose edges close a cycle (only on this error path)."""
-    base = dag.copy()
-    for e in dag.edges:
-        if e.kind is EdgeKind.TEMPORAL:
-            base.disconnect(e)
-    base.check_acyclic("the directives before the orders")
-    index, overlap = NodeIndex(base.compute_nodes()), 1
-    for i, directive in orders:
-        overlap = apply_order(base, directive, i, index, overlap)
-        base.check_acyclic(f"directive {i} (order)")
 
 
 def apply_order(

@@ -47,6 +47,25 @@ def test_order_cycle() -> None:
         compile_mlp([cyc])
 
 
+def test_order_cycle_with_an_overlap_group_is_named_as_a_cycle() -> None:
+    """The order that closes a cycle is named also when an order holds an overlap group
+    (two filters in one group); it was refused as "F1.0 is in two overlap groups"."""
+
+    def at(stage: int, mb: int, pass_: str) -> dict:
+        return {"PP": stage, "MB": mb, "PASS": pass_}
+
+    # with d0's order: F1.1 -> B1.0 -> B0.0 -> F0.1 -> F1.1
+    directives = [
+        piper.split({"PP": "*"}, num_microbatches=2),
+        piper.place({"PP": 0}, [0]),
+        piper.place({"PP": 1}, [1]),
+        piper.order([[at(0, 0, "B")], [at(0, 1, "F")]]),
+        piper.order([[at(1, 0, "F"), at(1, 1, "F")], [at(1, 0, "B")]]),
+    ]
+    with pytest.raises(piper.DirectiveError, match=r"directive 4 \(order\) makes a cycle"):
+        compile_mlp(directives, mlp_batches(1, batch_size=4)[0])
+
+
 def test_order_across_devices() -> None:
     bad = piper.order([[{"PP": 0, "PASS": "F"}], [{"PP": 1, "PASS": "F"}]])
     with pytest.raises(piper.DirectiveError, match="one device group"):
