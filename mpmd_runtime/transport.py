@@ -251,8 +251,14 @@ def make_exchange(specs: Sequence[TransferSpec]) -> Exchange:
         for d in _senders(spec.src) + list(spec.dst.devices.flat):
             if d not in union:
                 union.append(d)
+    # an ep group holds each replica split by batch row (Note [experts over ep]): every
+    # process holding part of it first makes each replica whole on each of its devices
+    wholes = [
+        jax.jit(lambda xs: xs, out_shardings=stacked(s.src)) if inner_axis(s.src) == EP else None
+        for s in specs
+    ]
     if not any(is_local(d) for d in union):  # another device sends this process's copies
-        return lambda xs: ([None] * len(specs), [])
+        return _making_whole_only(len(specs), wholes)
     mesh = Mesh(np.array(union), (_UNION,))
     lanes = _lanes(specs, union)
 
@@ -270,12 +276,6 @@ def make_exchange(specs: Sequence[TransferSpec]) -> Exchange:
     )
     sharding = NamedSharding(mesh, P(_UNION))
     sides = [_LaneSide(lane, specs, union, sharding) for lane in lanes]
-    # an ep group holds each replica split by batch row (Note [experts over ep]): every
-    # process holding part of it first makes each replica whole on each of its devices
-    wholes = [
-        jax.jit(lambda xs: xs, out_shardings=stacked(s.src)) if inner_axis(s.src) == EP else None
-        for s in specs
-    ]
     dst_local = [bool(local_devices_of(s.dst)) for s in specs]
 
     def exchange(xs: Sequence[list[jax.Array] | None]) -> tuple[list, list]:
@@ -287,6 +287,23 @@ def make_exchange(specs: Sequence[TransferSpec]) -> Exchange:
         for side, out in zip(sides, outs):
             side.deliver(out, received)
         return received, [done]
+
+    return exchange
+
+
+def _making_whole_only(n_specs: int, wholes: Sequence[Callable | None]) -> Exchange:
+    """The exchange of a process that holds no sending or receiving device of it but part
+    of a sending ep group: its part in making that group's replicas whole, a collective the
+    sending devices' processes wait in (left out, they waited for ever). Its witness is a
+    one-element marker per such group, read from this process's own part."""
+
+    def exchange(xs: Sequence[list[jax.Array] | None]) -> tuple[list, list]:
+        done = []
+        for x, whole in zip(xs, wholes):
+            if whole is not None and x is not None:
+                mine = jax.tree.leaves(whole(x))[0].addressable_shards[0].data
+                done.append(mine.reshape(-1)[:1])
+        return [None] * n_specs, done
 
     return exchange
 

@@ -47,6 +47,7 @@ def launch(nprocs: int, devices: int, *args: str, timeout: float = 240) -> str:
         (2, 1, "tp2_spanning"),
         (2, 2, "pp2_tp2_per_process"),
         (2, 2, "pp2_ep2_per_process"),
+        (2, 2, "pp3_ep_spanning"),
         (2, 2, "moe_pp2_ep2_per_process"),
     ],
 )

@@ -71,6 +71,15 @@ def strategy(name: str) -> tuple[int, list]:
                 piper.shard({"PP": s, "EP": "*"}, devices),
             ]
         return 2, split + directives + schedules.one_f_one_b(2, 4)
+    if name == "pp3_ep_spanning":  # the middle stage's experts split over both processes
+        directives = [
+            piper.place({"PP": 0}, [0]),
+            piper.place({"PP": 1}, [1, 2]),
+            piper.replicate({"PP": 1}, [1, 2]),
+            piper.shard({"PP": 1, "EP": "*"}, [1, 2]),
+            piper.place({"PP": 2}, [3]),
+        ]
+        return 3, split + directives + schedules.one_f_one_b(3, 4)
     if name == "interleaved2":  # rank r holds stages r and r + 2
         places = [piper.place({"PP": s}, [s % 2]) for s in range(4)]
         return 4, split + places + schedules.interleaved_1f1b(4, 4, 2)
